@@ -1,0 +1,100 @@
+"""Explicit, fixed-shape cache pytrees. Every array is [batch, ...]; steps take a cache and return a new one.
+
+- attention layers: K and V for `max_len` positions (+ the QSA indexer's raw keys);
+- Gated DeltaNet layers: the causal-conv tail (K-1 inputs) and the float32 recurrent state [Hv, Dk, Dv];
+- PLE layers: the tail of the dilated conv; the n-gram token context stays on the host (it is token ids).
+`lengths[b]` is how many tokens row b has consumed; positions of new tokens start there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.config import ModelConfig
+
+
+@struct.dataclass
+class AttentionCache:
+    k: jax.Array  # [B, S, kv_heads, head_dim]
+    v: jax.Array  # [B, S, kv_heads, head_dim]
+    index_k: jax.Array | None  # [B, S, indexer_head_dim] raw (un-normalised) QSA keys
+
+
+@struct.dataclass
+class DeltaNetCache:
+    conv: jax.Array  # [B, conv_dim, kernel-1]
+    state: jax.Array  # [B, v_heads, k_dim, v_dim] float32
+
+
+@struct.dataclass
+class PleCache:
+    conv: jax.Array  # [B, hc*hidden, (kernel-1)*dilation]
+
+
+@struct.dataclass
+class LayerCache:
+    mixer: AttentionCache | DeltaNetCache
+    ple: PleCache | None = None
+
+
+@struct.dataclass
+class ModelCache:
+    layers: tuple[LayerCache, ...]
+    lengths: jax.Array  # [B] int32
+    mtp: LayerCache | None = None
+    mtp_lengths: jax.Array | None = None  # [B] int32: tokens the MTP layer has consumed
+
+    @property
+    def max_len(self) -> int:
+        for layer in self.layers:
+            if isinstance(layer.mixer, AttentionCache):
+                return layer.mixer.k.shape[1]
+        return 1 << 30  # no attention layer: unbounded
+
+
+def cache_len_for(cfg: ModelConfig, max_len: int) -> int:
+    """Attention cache length: `max_len` rounded up to whole QSA blocks."""
+    c = cfg.indexer_compress_ratio if cfg.qsa else 1
+    return -(-max_len // c) * c
+
+
+def _attention_cache(cfg: ModelConfig, batch: int, s: int, dtype: jnp.dtype) -> AttentionCache:
+    shape = (batch, s, cfg.num_kv_heads, cfg.head_dim)
+    idx = jnp.zeros((batch, s, cfg.indexer_head_dim), dtype) if cfg.qsa else None
+    return AttentionCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index_k=idx)
+
+
+def _deltanet_cache(cfg: ModelConfig, batch: int, dtype: jnp.dtype) -> DeltaNetCache:
+    conv_dim = 2 * cfg.linear_num_k_heads * cfg.linear_k_dim + cfg.linear_num_v_heads * cfg.linear_v_dim
+    return DeltaNetCache(
+        conv=jnp.zeros((batch, conv_dim, cfg.linear_conv_kernel - 1), dtype),
+        state=jnp.zeros((batch, cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), jnp.float32),
+    )
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype, with_mtp: bool = False) -> ModelCache:
+    """Zeroed cache for `batch` rows of up to `max_len` tokens."""
+    s = cache_len_for(cfg, max_len)
+    layers = []
+    for i in range(cfg.num_layers):
+        if cfg.layer_is_linear(i):
+            mixer = _deltanet_cache(cfg, batch, dtype)
+        else:
+            mixer = _attention_cache(cfg, batch, s, dtype)
+        ple = None
+        if i in cfg.ple_layers:
+            width = cfg.hidden_size * max(cfg.hc_count, 1)
+            ple = PleCache(conv=jnp.zeros((batch, width, cfg.ple_conv_state_len), dtype))
+        layers.append(LayerCache(mixer=mixer, ple=ple))
+    lengths = jnp.zeros((batch,), jnp.int32)
+    if not with_mtp:
+        return ModelCache(layers=tuple(layers), lengths=lengths)
+    mtp = LayerCache(mixer=_attention_cache(cfg, batch, s, dtype))
+    return ModelCache(layers=tuple(layers), lengths=lengths, mtp=mtp, mtp_lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def cache_bytes(cache: ModelCache) -> int:
+    """Total bytes held by a cache."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))

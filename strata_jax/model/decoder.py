@@ -1,0 +1,169 @@
+"""The decoder: embedding, the layer stack (Gated DeltaNet / gated attention + MoE, joined by hyper-connections or a
+plain pre-norm residual), the final mixer or norm, the LM head and the MTP module.
+
+All functions are pure with respect to the cache: `forward(tokens, cache, ...) -> (hidden, new_cache)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from strata_jax.config import ModelConfig
+from strata_jax.model.attention import Attention
+from strata_jax.model.cache import LayerCache, ModelCache
+from strata_jax.model.deltanet import GatedDeltaNet
+from strata_jax.model.hyper import HyperConnection, inject
+from strata_jax.model.layers import MLP, Embedding, Linear, RMSNorm
+from strata_jax.model.moe import SparseMoe
+from strata_jax.model.ple import PleLayer
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: jnp.dtype, linear: bool, has_ple: bool):
+        self.cfg = cfg
+        self.linear = linear
+        if linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype)
+        else:
+            self.self_attn = Attention(cfg, dtype)
+        if index in cfg.dense_mlp_layers:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        else:
+            self.mlp = SparseMoe(cfg, dtype)
+        self.ple = PleLayer(cfg, dtype) if has_ple else None
+        if cfg.hyper_connections:
+            self.attn_hyper_connection = HyperConnection(cfg, dtype)
+            self.mlp_hyper_connection = HyperConnection(cfg, dtype)
+        else:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def _mix(self, x, cache: LayerCache, start, n_valid):
+        if self.linear:
+            return self.linear_attn(x, cache.mixer, n_valid)
+        return self.self_attn(x, cache.mixer, start)
+
+    def __call__(
+        self, h: jax.Array, cache: LayerCache, start: jax.Array, n_valid: jax.Array, ple_rows: jax.Array | None
+    ) -> tuple[jax.Array, LayerCache]:
+        ple_cache = cache.ple
+        if self.ple is not None:
+            h, ple_cache = self.ple(h, ple_rows, cache.ple, n_valid)
+        if self.cfg.hyper_connections:
+            x, w = self.attn_hyper_connection(h)
+            out, mixer_cache = self._mix(x, cache, start, n_valid)
+            h = inject(h, out, w)
+            x, w = self.mlp_hyper_connection(h)
+            h = inject(h, self.mlp(x), w)
+        else:
+            out, mixer_cache = self._mix(self.input_layernorm(h), cache, start, n_valid)
+            h = h + out
+            h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, LayerCache(mixer=mixer_cache, ple=ple_cache)
+
+
+class TextModel(nnx.Module):
+    """The `model.*` (or `model.language_model.*`) part of a checkpoint."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nnx.List(
+            [
+                DecoderLayer(cfg, i, dtype, cfg.layer_is_linear(i), i in cfg.ple_layers)
+                for i in range(cfg.num_layers)
+            ]
+        )
+        if cfg.hyper_connections:
+            self.hyper_connection_mixer = HyperConnection(cfg, dtype, combine=False)
+        else:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        cache: ModelCache,
+        n_valid: jax.Array,
+        ple_rows: tuple[jax.Array, ...] = (),
+    ) -> tuple[jax.Array, ModelCache]:
+        """tokens [B, T] (row b's first n_valid[b] are real) -> final hidden [B, T, H] and the advanced cache."""
+        cfg = self.cfg
+        h = self.embed_tokens(tokens)
+        if cfg.hyper_connections:
+            h = jnp.tile(h, (1, 1, cfg.hc_count))
+        start = cache.lengths
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            rows = ple_rows[cfg.ple_layers.index(i)] if i in cfg.ple_layers else None
+            h, layer_cache = layer(h, cache.layers[i], start, n_valid, rows)
+            new_layers.append(layer_cache)
+        if cfg.hyper_connections:
+            h, _ = self.hyper_connection_mixer(h)
+        else:
+            h = self.norm(h)
+        return h, cache.replace(layers=tuple(new_layers), lengths=start + n_valid)
+
+
+class Mtp(nnx.Module):
+    """Multi-token prediction: from the main model's final hidden state at position t and the embedding of token
+    t+1, predict token t+2. Checkpoint names follow Qwen3-Next (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`,
+    `mtp.layers.0.*`: one attention decoder layer with its own KV cache). For hyper-connection models the fused
+    input is copied into every stream and the streams are averaged after the layer (our convention: the reference
+    implementation does not run an MTP head for qwen4_exp)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.fc = Linear(2 * h, h, dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, -1, dtype, linear=False, has_ple=False)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+
+    def __call__(
+        self, embeds: jax.Array, hidden: jax.Array, cache: LayerCache, start: jax.Array, n_valid: jax.Array
+    ) -> tuple[jax.Array, LayerCache]:
+        x = jnp.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        x = self.fc(x)
+        hc = self.cfg.hc_count if self.cfg.hyper_connections else 1
+        x = jnp.tile(x, (1, 1, hc))
+        x, cache = self.layers[0](x, cache, start, n_valid, None)
+        if hc > 1:
+            x = jnp.mean(x.reshape(*x.shape[:-1], hc, -1), axis=-2)
+        return self.norm(x), cache
+
+
+class CausalLM(nnx.Module):
+    """Text model + LM head (+ MTP when the checkpoint has `mtp.*` weights)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, with_mtp: bool = False):
+        self.cfg = cfg
+        self.model = TextModel(cfg, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.mtp = Mtp(cfg, dtype) if with_mtp else None
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden [.., H] -> float32 logits [.., V]."""
+        if self.cfg.tie_word_embeddings:
+            w = self.model.embed_tokens.weight[...]
+        else:
+            w = self.lm_head.weight[...]
+        return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w).astype(jnp.float32)
+
+    def __call__(self, tokens, cache, n_valid, ple_rows=()):
+        hidden, cache = self.model(tokens, cache, n_valid, ple_rows)
+        return self.logits(hidden), hidden, cache
+
+    def mtp_logits(
+        self, next_tokens: jax.Array, hidden: jax.Array, cache: ModelCache, n_valid: jax.Array
+    ) -> tuple[jax.Array, ModelCache]:
+        """MTP logits [B, T, V] for positions whose main-model hidden states are `hidden` [B, T, H] and whose
+        following tokens are `next_tokens` [B, T]. Uses and advances `cache.mtp` (positions from `mtp_lengths`)."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no MTP weights")
+        embeds = self.model.embed_tokens(next_tokens)
+        out, mtp_cache = self.mtp(embeds, hidden, cache.mtp, cache.mtp_lengths, n_valid)
+        return self.logits(out), cache.replace(mtp=mtp_cache, mtp_lengths=cache.mtp_lengths + n_valid)

@@ -1,0 +1,157 @@
+"""Gated DeltaNet: projections (split or interleaved layout), causal conv, the gated delta rule (chunked for
+prefill, recurrent for a few tokens), and the gated output norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from strata_jax.config import ModelConfig
+from strata_jax.model.cache import DeltaNetCache
+from strata_jax.model.conv import causal_conv
+from strata_jax.model.layers import DepthwiseConvWeight, GatedRMSNorm, Linear, silu
+from strata_jax.model.params import empty_param
+
+CHUNK = 64
+# Below this many tokens per call the token-by-token recurrence is cheaper than a padded 64-token chunk.
+RECURRENT_MAX_TOKENS = 16
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token-by-token gated delta rule. q,k [B,T,H,Dk] (normalised, q scaled), v [B,T,H,Dv], g/beta [B,T,H],
+    state [B,H,Dk,Dv]; all float32. Returns (out [B,T,H,Dv], final state)."""
+
+    def step(s, inputs):
+        q_t, k_t, v_t, g_t, b_t = inputs
+        s = s * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        padding = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        q, k, v, g, beta = (padding(a) for a in (q, k, v, g, beta))
+    n = (t + pad) // chunk
+    # -> [B, H, N, C, ...]
+    to_chunks = lambda a: jnp.moveaxis(a, 2, 1).reshape(b, h, n, chunk, *a.shape[3:])  # noqa: E731
+    q, k, v, g, beta = (to_chunks(a) for a in (q, k, v, g, beta))
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    # (I + A) with A strictly lower: the UT system; solve instead of inverting.
+    a_mat = jnp.where(strict, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
+    system = a_mat + jnp.eye(chunk, dtype=a_mat.dtype)
+    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)  # noqa: E731
+    new_values = solve(v_beta)
+    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])
+    intra = jnp.where(lower, jnp.einsum("...ik,...jk->...ij", q, k) * decay, 0.0)
+    q_dec = q * jnp.exp(cum)[..., None]
+    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+
+    def step(s, xs):
+        nv, kc, qd, kd, it, cd = xs
+        v_new = nv - jnp.einsum("bhck,bhkv->bhcv", kc, s)
+        out = jnp.einsum("bhck,bhkv->bhcv", qd, s) + jnp.einsum("bhcj,bhjv->bhcv", it, v_new)
+        s = s * cd + jnp.einsum("bhck,bhcv->bhkv", kd, v_new)
+        return s, out
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q_dec, k_dec, intra, chunk_decay))
+    state, out = jax.lax.scan(step, state, xs)
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return jnp.moveaxis(out, 1, 2), state
+
+
+class GatedDeltaNet(nnx.Module):
+    """Linear-attention token mixer of 3 in 4 layers."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.key_dim = cfg.linear_num_k_heads * cfg.linear_k_dim
+        self.value_dim = cfg.linear_num_v_heads * cfg.linear_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        if cfg.gdn_split_projections:
+            self.in_proj_qkv = Linear(h, self.conv_dim, dtype)
+            self.in_proj_z = Linear(h, self.value_dim, dtype)
+            self.in_proj_b = Linear(h, cfg.linear_num_v_heads, dtype)
+            self.in_proj_a = Linear(h, cfg.linear_num_v_heads, dtype)
+        else:
+            self.in_proj_qkvz = Linear(h, self.conv_dim + self.value_dim, dtype)
+            self.in_proj_ba = Linear(h, 2 * cfg.linear_num_v_heads, dtype)
+        self.conv1d = DepthwiseConvWeight(self.conv_dim, cfg.linear_conv_kernel, dtype)
+        self.dt_bias = empty_param((cfg.linear_num_v_heads,), dtype)
+        self.A_log = empty_param((cfg.linear_num_v_heads,), dtype)
+        self.norm = GatedRMSNorm(cfg.linear_v_dim, cfg.rms_norm_eps, dtype, cfg.gdn_gate_act)
+        self.out_proj = Linear(self.value_dim, h, dtype)
+
+    def _project(self, x: jax.Array):
+        """Returns mixed qkv [B,T,conv_dim] (channel order q|k|v), z [B,T,Hv,Dv], b and a [B,T,Hv]."""
+        cfg = self.cfg
+        bsz, t, _ = x.shape
+        hv, dv = cfg.linear_num_v_heads, cfg.linear_v_dim
+        if cfg.gdn_split_projections:
+            qkv = self.in_proj_qkv(x)
+            z = self.in_proj_z(x).reshape(bsz, t, hv, dv)
+            return qkv, z, self.in_proj_b(x), self.in_proj_a(x)
+        # Interleaved layout: per key head, [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)].
+        hk, dk = cfg.linear_num_k_heads, cfg.linear_k_dim
+        r = hv // hk
+        qkvz = self.in_proj_qkvz(x).reshape(bsz, t, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+        ba = self.in_proj_ba(x).reshape(bsz, t, hk, 2 * r)
+        b, a = ba[..., :r].reshape(bsz, t, hv), ba[..., r:].reshape(bsz, t, hv)
+        flat = lambda y: y.reshape(bsz, t, -1)  # noqa: E731
+        qkv = jnp.concatenate([flat(q), flat(k), flat(v)], axis=-1)
+        return qkv, z.reshape(bsz, t, hv, dv), b, a
+
+    def __call__(
+        self, x: jax.Array, cache: DeltaNetCache, n_valid: jax.Array
+    ) -> tuple[jax.Array, DeltaNetCache]:
+        cfg = self.cfg
+        bsz, t, _ = x.shape
+        qkv, z, b, a = self._project(x)
+        conv_out, conv_state = causal_conv(qkv, cache.conv, self.conv1d.kernel(), n_valid)
+        qkv = silu(conv_out.astype(jnp.float32)).astype(x.dtype)
+        q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
+        hk, hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
+        q = q.reshape(bsz, t, hk, cfg.linear_k_dim).astype(jnp.float32)
+        k = k.reshape(bsz, t, hk, cfg.linear_k_dim).astype(jnp.float32)
+        v = v.reshape(bsz, t, hv, cfg.linear_v_dim).astype(jnp.float32)
+        valid = (jnp.arange(t)[None, :] < n_valid[:, None])[..., None]
+        # Padded tokens get beta = 0 and no decay, so they leave the recurrent state untouched.
+        beta = jnp.where(valid, jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        )
+        g = jnp.where(valid, g, 0.0)
+        if hv != hk:
+            q = jnp.repeat(q, hv // hk, axis=2)
+            k = jnp.repeat(k, hv // hk, axis=2)
+        q = _l2norm(q) * (cfg.linear_k_dim**-0.5)
+        k = _l2norm(k)
+        rule = recurrent_gated_delta_rule if t <= RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
+        out, state = rule(q, k, v, g, beta, cache.state)
+        out = self.norm(out.astype(x.dtype), z)
+        out = self.out_proj(out.reshape(bsz, t, -1))
+        return out, DeltaNetCache(conv=conv_state, state=state)

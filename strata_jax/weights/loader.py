@@ -1,0 +1,94 @@
+"""Filling a model's parameters from a HF checkpoint: name mapping, expert fusion, shape checks, PLE tables.
+
+Our module tree uses the HF names, so mapping is mostly a prefix: `model.*` lives under `model.` (causal LM) or
+`model.language_model.` (the multimodal wrapper, whose vision tower is skipped). Routed experts arrive fused
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or per expert (Qwen3-Next's original
+`mlp.experts.{e}.{gate,up,down}_proj.weight`); both become the fused layout. PLE tables (`...ngram_embedding.weight`
+or its `shard_{i}` parts) stay host-side as memory maps.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strata_jax.config import ModelConfig
+from strata_jax.model.ple_hash import PleTable
+from strata_jax.weights.safetensors_io import CheckpointError, CheckpointReader
+
+_EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def has_mtp(reader: CheckpointReader) -> bool:
+    """Whether the checkpoint carries an MTP module."""
+    return any(n.startswith("mtp.") for n in reader.names())
+
+
+def hf_name(cfg: ModelConfig, ours: str) -> str:
+    """Checkpoint name of one of our parameter paths."""
+    if ours.startswith("model."):
+        return cfg.weight_prefix + ours[len("model.") :]
+    return ours
+
+
+def _read_expert(reader: CheckpointReader, name: str, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name in reader:
+        arr = reader.get(name)
+        if arr.shape != shape and arr.shape == (shape[0], shape[2], shape[1]):
+            arr = np.swapaxes(arr, 1, 2)  # older fused layout [E, in, out]
+        return arr
+    base = name[: -len(kind) - 1]
+    n_experts = shape[0]
+    parts = []
+    for e in range(n_experts):
+        if kind == "gate_up_proj":
+            gate, up = reader.get(f"{base}.{e}.gate_proj.weight"), reader.get(f"{base}.{e}.up_proj.weight")
+            parts.append(np.concatenate([gate, up], axis=0))
+        else:
+            parts.append(reader.get(f"{base}.{e}.down_proj.weight"))
+    return np.stack(parts)
+
+
+def _read(reader: CheckpointReader, cfg: ModelConfig, ours: str, shape: tuple[int, ...]) -> np.ndarray:
+    name = hf_name(cfg, ours)
+    m = _EXPERT.match(name)
+    arr = _read_expert(reader, name, m["kind"], shape) if m else reader.get(name)
+    if tuple(arr.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+    return arr
+
+
+def fill_params(model: nnx.Module, cfg: ModelConfig, reader: CheckpointReader, dtype: jnp.dtype) -> None:
+    """Replaces every (abstract) parameter of `model` with the checkpoint's tensor, converted to `dtype`."""
+    params = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)]
+    started = time.monotonic()
+    for done, (path, param) in enumerate(params, 1):
+        ours = ".".join(str(p) for p in path)
+        arr = _read(reader, cfg, ours, tuple(param.shape))
+        param.set_value(jnp.asarray(arr.astype(np.dtype(dtype), copy=False)))
+        if sys.stderr.isatty() and (done % 50 == 0 or done == len(params)):
+            print(f"\rloading weights {done}/{len(params)} ({time.monotonic() - started:.1f}s)", end="", file=sys.stderr)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+
+
+def load_ple_tables(cfg: ModelConfig, reader: CheckpointReader) -> list[PleTable]:
+    """Host-side PLE tables, one per PLE layer, in `cfg.ple_layers` order."""
+    tables = []
+    for layer in cfg.ple_layers:
+        base = f"{cfg.weight_prefix}layers.{layer}.ple.ple_embedding.ngram_embedding"
+        if f"{base}.weight" in reader:
+            shards = [reader.memmap(f"{base}.weight")]
+        else:
+            names = [n for n in reader.names() if n.startswith(f"{base}.shard_") and n.endswith(".weight")]
+            if not names:
+                raise CheckpointError(f"tensor {base}.weight (or its shard_* parts) not found")
+            names.sort(key=lambda n: int(n[len(base) + len(".shard_") : -len(".weight")]))
+            shards = [reader.memmap(n) for n in names]
+        tables.append(PleTable(shards))
+    return tables
