@@ -64,6 +64,35 @@ class LoadedModel:
         self._step = jax.jit(functools.partial(_step, self._graphdef), donate_argnums=(2,))
         self._mtp_step = jax.jit(functools.partial(_mtp_step, self._graphdef), donate_argnums=(3,))
 
+    # -- pieces the serving engine builds its own jitted steps from ------------------------------------------
+    @property
+    def graphdef(self):
+        return self._graphdef
+
+    @property
+    def state(self):
+        return self._state
+
+    def ple_context(self, tokens: list[int] | np.ndarray) -> list[np.ndarray]:
+        """Per PLE layer, the host n-gram context [1, ngram_size-1] after having consumed `tokens`."""
+        out = []
+        for h in self._hashers:
+            ctx = h.initial_context(1)
+            if len(tokens):
+                ctx = h.next_context(ctx, np.asarray([tokens], np.int64))
+            out.append(ctx)
+        return out
+
+    def ple_inputs(
+        self, contexts: list[np.ndarray], tokens: np.ndarray, n_valid: np.ndarray | None = None
+    ) -> tuple[tuple[np.ndarray, ...], list[np.ndarray]]:
+        """Host-side PLE rows for tokens [B, T] (one [B, T, ple_dim] array per PLE layer) and the new contexts."""
+        rows, new = [], []
+        for hasher, table, ctx in zip(self._hashers, self._ple_tables, contexts):
+            rows.append(table.gather(hasher.row_ids(ctx, tokens), np.float32))
+            new.append(hasher.next_context(ctx, tokens, n_valid))
+        return tuple(rows), new
+
     # -- low-level, explicit-state API -------------------------------------------------------------------------
     def start(self, batch: int, max_len: int) -> Sequences:
         """Empty state for `batch` sequences of up to `max_len` tokens."""
@@ -81,11 +110,9 @@ class LoadedModel:
         n_valid = np.full((b,), t, np.int32) if n_valid is None else np.asarray(n_valid, np.int32)
         if int(np.max(seqs_lengths(seqs) + n_valid)) > seqs.cache.max_len:
             raise ValueError(f"sequence longer than the cache ({seqs.cache.max_len} tokens)")
-        rows, contexts = [], []
-        for hasher, table, ctx in zip(self._hashers, self._ple_tables, seqs.ple_context):
-            rows.append(jnp.asarray(table.gather(hasher.row_ids(ctx, tokens), np.float32), self.dtype))
-            contexts.append(hasher.next_context(ctx, tokens, n_valid))
-        logits, hidden, cache = self._step(self._state, jnp.asarray(tokens), seqs.cache, jnp.asarray(n_valid), tuple(rows))
+        rows, contexts = self.ple_inputs(seqs.ple_context, tokens, n_valid)
+        rows = tuple(jnp.asarray(r, self.dtype) for r in rows)
+        logits, hidden, cache = self._step(self._state, jnp.asarray(tokens), seqs.cache, jnp.asarray(n_valid), rows)
         return np.asarray(logits), hidden, Sequences(cache, contexts)
 
     def mtp_step(

@@ -1,0 +1,38 @@
+"""Serving configuration, fixed at start: everything that decides compiled shapes lives here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """slots: concurrent sequences decoded by one step. max_context: tokens per slot (prompt + output).
+    prefill_chunks: prompt chunk sizes compiled at warm-up; the largest sets the grid prompts are cut on (and
+    bounds how long a prefill chunk stalls running streams), smaller ones serve short remainders.
+    prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it).
+    snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
+    """
+
+    slots: int = 4
+    max_context: int = 4096
+    prefill_chunks: tuple[int, ...] = (32, 256)
+    prefix_cache_mib: int = 2048
+    snapshot_every: int = 1024
+
+    def __post_init__(self):
+        if self.slots < 1:
+            raise ValueError("slots must be >= 1")
+        if self.max_context < 2:
+            raise ValueError("max_context must be >= 2")
+        if not self.prefill_chunks or min(self.prefill_chunks) < 1:
+            raise ValueError("prefill_chunks must be positive sizes")
+        object.__setattr__(self, "prefill_chunks", tuple(sorted(set(self.prefill_chunks))))
+        big = self.prefill_chunks[-1]
+        if self.snapshot_every % big:
+            object.__setattr__(self, "snapshot_every", max(big, self.snapshot_every // big * big))
+
+    @property
+    def chunk(self) -> int:
+        """The largest prefill chunk: prompts are cut on multiples of it."""
+        return self.prefill_chunks[-1]

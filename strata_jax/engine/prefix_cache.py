@@ -1,0 +1,93 @@
+"""Prefix cache: host-memory snapshots of one slot's state after a known token prefix, LRU under a byte budget.
+
+Attention KV could simply be truncated, but Gated DeltaNet / conv / PLE state cannot be rewound, so a reusable
+prefix needs the whole state as it was right after that prefix. Snapshots live in host RAM rather than on the
+GPU: the GPU's memory goes to weights and live slots, a snapshot is restored once per request (a
+host->device copy of one slot, small next to the prefill it saves), and host RAM is the larger pool. KV is stored
+only up to the prefix length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from strata_jax.model.cache import AttentionCache, ModelCache
+
+
+def _map_kv(cache: ModelCache, fn) -> ModelCache:
+    layers = []
+    for layer in cache.layers:
+        mixer = layer.mixer
+        if isinstance(mixer, AttentionCache):
+            mixer = jax.tree_util.tree_map(fn, mixer)
+        layers.append(layer.replace(mixer=mixer))
+    return cache.replace(layers=tuple(layers))
+
+
+@dataclasses.dataclass
+class Snapshot:
+    tokens: tuple[int, ...]
+    state: ModelCache  # host arrays, batch 1, KV cut to the prefix length
+    nbytes: int
+    last_used: int
+
+
+class PrefixCache:
+    """Longest-prefix lookup over snapshots; `insert` evicts least recently used ones beyond `budget_bytes`."""
+
+    def __init__(self, budget_bytes: int, kv_block: int = 1):
+        self.budget = budget_bytes
+        self.kv_block = kv_block
+        self._snaps: dict[tuple[int, ...], Snapshot] = {}
+        self._clock = itertools.count()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._snaps)
+
+    def lookup(self, prompt: Sequence[int]) -> Snapshot | None:
+        """The snapshot with the longest token prefix of `prompt` that leaves at least one token to prefill."""
+        prompt = tuple(prompt)
+        best = None
+        for snap in self._snaps.values():
+            n = len(snap.tokens)
+            if n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == snap.tokens:
+                best = snap
+        if best is not None:
+            best.last_used = next(self._clock)
+        return best
+
+    def insert(self, tokens: Sequence[int], state: ModelCache) -> None:
+        """Stores a host copy of a slot's state after `tokens` (state as read from the device, batch 1)."""
+        tokens = tuple(tokens)
+        if not tokens or self.budget <= 0:
+            return
+        if tokens in self._snaps:
+            self._snaps[tokens].last_used = next(self._clock)
+            return
+        keep = -(-len(tokens) // self.kv_block) * self.kv_block
+        state = _map_kv(state, lambda x: np.array(x[:, :keep]))
+        nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+        if nbytes > self.budget:
+            return
+        while self.bytes + nbytes > self.budget:
+            oldest = min(self._snaps.values(), key=lambda s: s.last_used)
+            self.bytes -= self._snaps.pop(oldest.tokens).nbytes
+        self._snaps[tokens] = Snapshot(tokens, state, nbytes, next(self._clock))
+        self.bytes += nbytes
+
+    @staticmethod
+    def restore(snap: Snapshot, kv_len: int) -> ModelCache:
+        """The snapshot's state with KV padded back to the slot cache length."""
+
+        def pad(x):
+            out = np.zeros((x.shape[0], kv_len) + x.shape[2:], x.dtype)
+            out[:, : x.shape[1]] = x
+            return out
+
+        return _map_kv(snap.state, pad)

@@ -1,0 +1,306 @@
+"""The engine loop, in its own thread: FIFO admission to free slots, prefill chunks interleaved with decode steps
+(one chunk, then one step for every decoding slot, so running streams stall at most one chunk), stop handling,
+cancellation and the prefix cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from strata_jax.api import LoadedModel
+from strata_jax.engine.api import FinishReason, GenerationRequest, RequestTiming, TokenEvent
+from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.prefix_cache import PrefixCache
+from strata_jax.engine.steps import DeviceSteps
+from strata_jax.tokenizer import IncrementalDecoder
+
+log = logging.getLogger("strata_jax.engine")
+
+
+@dataclasses.dataclass
+class Job:
+    """A request's life inside the engine."""
+
+    request: GenerationRequest
+    emit: Callable[[TokenEvent], None]
+    seed: int
+    submitted: float
+    slot: int = -1
+    pos: int = 0  # prompt tokens already in the cache
+    cached: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    last_token: int | None = None
+    ple_ctx: list[np.ndarray] = dataclasses.field(default_factory=list)
+    decoder: IncrementalDecoder | None = None
+    held: str = ""  # text held back while it could be the start of a stop string
+    admitted: float = 0.0
+    first_token: float = 0.0
+    sent_first: bool = False
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt)
+
+
+class Scheduler:
+    """Runs the device loop. All public methods are thread-safe."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig, steps: DeviceSteps):
+        self.model = model
+        self.config = config
+        self.steps = steps
+        self.tokenizer = model.tokenizer
+        self.eos = set(model.config.eos_token_ids) | (set(self.tokenizer.eos_token_ids) if self.tokenizer else set())
+        c = model.config.indexer_compress_ratio if model.config.qsa else 1
+        self.prefix_cache = PrefixCache(config.prefix_cache_mib << 20, kv_block=c)
+        self.kv_len = steps.cache.max_len
+        self._queue: collections.deque[Job] = collections.deque()
+        self._slots: list[Job | None] = [None] * config.slots
+        self._cancelled: set[str] = set()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._last_decode = 0.0
+        self.counters = collections.Counter()
+        self.max_stall = 0.0
+
+    # -- control -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def add(self, job: Job) -> None:
+        with self._cond:
+            self._queue.append(job)
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += len(job.prompt)
+            self._cond.notify_all()
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            self._cancelled.add(request_id)
+            self._cond.notify_all()
+
+    def snapshot_stats(self) -> dict[str, float]:
+        with self._cond:
+            busy = sum(j is not None for j in self._slots)
+            return {
+                "requests_total": self.counters["requests"],
+                "prompt_tokens_total": self.counters["prompt_tokens"],
+                "generated_tokens_total": self.counters["generated"],
+                "prefix_cache_hit_tokens_total": self.counters["cached_tokens"],
+                "prefix_cache_snapshots": len(self.prefix_cache),
+                "prefix_cache_bytes": self.prefix_cache.bytes,
+                "slots_busy": busy,
+                "slots_total": self.config.slots,
+                "queue_length": len(self._queue),
+                "decode_steps_total": self.counters["decode_steps"],
+                "prefill_chunks_total": self.counters["prefill_chunks"],
+                "cancelled_total": self.counters["cancelled"],
+                "max_decode_stall_seconds": self.max_stall,
+            }
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._queue and not any(self._slots) and not self._cancelled:
+                    self._cond.wait()
+                if self._stop:
+                    break
+                cancelled, self._cancelled = self._cancelled, set()
+                self._drop_cancelled_queued(cancelled)
+            try:
+                self._iteration(cancelled)
+            except Exception as e:  # a failed step must not take the other users down with the thread
+                log.exception("engine step failed")
+                self._fail_all(f"engine error: {e}")
+        with self._cond:
+            jobs = [j for j in self._slots if j is not None] + list(self._queue)
+        for job in jobs:
+            job.emit(TokenEvent(None, finish_reason="error", error="engine stopped"))
+
+    def _drop_cancelled_queued(self, cancelled: set[str]) -> None:
+        for job in [j for j in self._queue if j.request.request_id in cancelled]:
+            self._queue.remove(job)
+            job.emit(TokenEvent(None, finish_reason="cancelled"))
+
+    def _iteration(self, cancelled: set[str]) -> None:
+        for slot, job in enumerate(self._slots):
+            if job is not None and job.request.request_id in cancelled:
+                self._finish(job, "cancelled", snapshot=False)
+                self.counters["cancelled"] += 1
+        self._admit()
+        prefilling = sorted((j for j in self._slots if j is not None and j.prefilling), key=lambda j: j.admitted)
+        if prefilling:
+            self._prefill_chunk(prefilling[0])
+        decoding = [j for j in self._slots if j is not None and not j.prefilling]
+        if decoding:
+            self._decode(decoding)
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                free = [i for i, j in enumerate(self._slots) if j is None]
+                if not free or not self._queue:
+                    return
+                job = self._queue.popleft()
+                job.slot = free[0]
+                self._slots[job.slot] = job
+            job.admitted = time.monotonic()
+            job.decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=True) if self.tokenizer else None
+            snap = self.prefix_cache.lookup(job.prompt)
+            if snap is not None:
+                self.steps.write(job.slot, self.prefix_cache.restore(snap, self.kv_len))
+                job.pos = job.cached = len(snap.tokens)
+                self.counters["cached_tokens"] += job.cached
+            else:
+                self.steps.reset(job.slot)
+            job.ple_ctx = self.model.ple_context(job.prompt[: job.pos])
+
+    def _sampling(self, job: Job) -> tuple[float, int, float, int]:
+        s = job.request.sampling
+        return (float(s.temperature), int(s.top_k), float(s.top_p), job.seed)
+
+    def _prefill_chunk(self, job: Job) -> None:
+        grid = self.config.chunk
+        end = min(len(job.prompt), (job.pos // grid + 1) * grid)
+        n = end - job.pos
+        size = next(c for c in self.config.prefill_chunks if c >= n)
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :n] = job.prompt[job.pos : end]
+        rows, ctx = self.model.ple_inputs(job.ple_ctx, tokens, np.array([n]))
+        token = self.steps.prefill(job.slot, tokens, n, rows, self._sampling(job))
+        job.pos, job.ple_ctx = end, ctx
+        self.counters["prefill_chunks"] += 1
+        if end % self.config.snapshot_every == 0:
+            self.prefix_cache.insert(job.prompt[:end], self.steps.read(job.slot))
+        if not job.prefilling:
+            job.first_token = time.monotonic()
+            self._accept(job, token)
+
+    def _decode(self, jobs: list[Job]) -> None:
+        s = self.config.slots
+        tokens = np.zeros(s, np.int32)
+        active = np.zeros(s, bool)
+        temperature, top_k, top_p, seed = np.zeros(s), np.zeros(s), np.ones(s), np.zeros(s)
+        for job in jobs:
+            tokens[job.slot], active[job.slot] = job.last_token, True
+            temperature[job.slot], top_k[job.slot], top_p[job.slot], seed[job.slot] = self._sampling(job)
+        ctx_layers = self._stacked_contexts(jobs)
+        rows, new_ctx = self.model.ple_inputs(ctx_layers, tokens[:, None], active.astype(np.int32))
+        now = time.monotonic()
+        if self._last_decode:
+            self.max_stall = max(self.max_stall, now - self._last_decode)
+        out = self.steps.decode(tokens, active, rows, (temperature, top_k, top_p, seed))
+        self._last_decode = time.monotonic()
+        self.counters["decode_steps"] += 1
+        for job in jobs:
+            job.ple_ctx = [c[job.slot : job.slot + 1] for c in new_ctx]
+            self._accept(job, int(out[job.slot]))
+        if not any(j is not None and not j.prefilling for j in self._slots):
+            self._last_decode = 0.0
+
+    def _stacked_contexts(self, jobs: list[Job]) -> list[np.ndarray]:
+        empty = self.model.ple_context([])
+        per_slot = [empty] * self.config.slots
+        for job in jobs:
+            per_slot[job.slot] = job.ple_ctx
+        return [np.concatenate([ctx[i] for ctx in per_slot]) for i in range(len(empty))]
+
+    # -- output --------------------------------------------------------------------------------------------------
+    def _accept(self, job: Job, token: int) -> None:
+        """Handles a newly sampled token: stop checks, text, events."""
+        sampling = job.request.sampling
+        job.generated.append(token)
+        job.last_token = token
+        self.counters["generated"] += 1
+        stop = (token in self.eos and not sampling.ignore_eos) or token in sampling.stop_token_ids
+        text = "" if stop or job.decoder is None else job.decoder.push(token)
+        reason: FinishReason | None = "stop" if stop else None
+        matched = None
+        if sampling.stop_strings and text:
+            text, matched = self._apply_stop_strings(job, text)
+            if matched is not None:
+                reason = "stop_string"
+        total = len(job.prompt) + len(job.generated)
+        if reason is None and (len(job.generated) >= sampling.max_tokens or total >= self.config.max_context):
+            reason = "length"
+        if reason is not None and matched is None and job.held:
+            text, job.held = job.held + text, ""
+        first = not job.sent_first
+        job.sent_first = True
+        event = TokenEvent(
+            token,
+            text=text,
+            prompt_tokens=len(job.prompt) if first else 0,
+            cached_tokens=job.cached if first else 0,
+            completion_tokens=len(job.generated),
+        )
+        if reason is None:
+            job.emit(event)
+            return
+        final = dataclasses.replace(event, finish_reason=reason, stop_string=matched, timing=self._timing(job))
+        self._finish(job, reason, snapshot=True, final=final)
+
+    def _apply_stop_strings(self, job: Job, text: str) -> tuple[str, str | None]:
+        pending = job.held + text
+        stops = job.request.sampling.stop_strings
+        hits = [(pending.find(s), s) for s in stops if s and s in pending]
+        if hits:
+            idx, s = min(hits)
+            job.held = ""
+            return pending[:idx], s
+        keep = 0
+        for s in stops:
+            for k in range(min(len(s) - 1, len(pending)), 0, -1):
+                if pending.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        job.held = pending[len(pending) - keep :] if keep else ""
+        return pending[: len(pending) - keep], None
+
+    def _timing(self, job: Job) -> RequestTiming:
+        end = time.monotonic()
+        decode_time = end - job.first_token
+        return RequestTiming(
+            queue_wait=job.admitted - job.submitted,
+            prefill=job.first_token - job.admitted,
+            time_to_first_token=job.first_token - job.submitted,
+            decode_tokens_per_s=(len(job.generated) - 1) / decode_time if decode_time > 0 else 0.0,
+        )
+
+    def _finish(self, job: Job, reason: FinishReason, snapshot: bool, final: TokenEvent | None = None) -> None:
+        """Frees the job's slot (after snapshotting it for the prefix cache), then sends its last event."""
+        if snapshot and job.generated and not job.prefilling:
+            # The state holds the prompt and every generated token but the last (not fed back yet).
+            consumed = job.prompt + tuple(job.generated[:-1])
+            self.prefix_cache.insert(consumed, self.steps.read(job.slot))
+        with self._cond:
+            if 0 <= job.slot < len(self._slots) and self._slots[job.slot] is job:
+                self._slots[job.slot] = None
+        job.emit(final or TokenEvent(None, finish_reason=reason, completion_tokens=len(job.generated)))
+
+    def _fail_all(self, message: str) -> None:
+        for job in [j for j in self._slots if j is not None]:
+            job.emit(TokenEvent(None, finish_reason="error", error=message))
+            with self._cond:
+                self._slots[job.slot] = None

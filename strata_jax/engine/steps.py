@@ -1,0 +1,139 @@
+"""The jitted, fixed-shape device functions of the engine, all with the slot cache donated:
+
+- `prefill`: one chunk of one slot's prompt (batch 1, chunk size C; the last chunk is masked by `n_valid`),
+  sampling the next token from the last real position;
+- `decode`: one token for every slot at once, inactive slots masked (their state does not move);
+- `reset` / `read` / `write`: a slot's state, for new requests and prefix-cache snapshots.
+Slot indices are traced values: one compilation serves every slot.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strata_jax.api import LoadedModel
+from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.sampling import sample
+from strata_jax.model.cache import AttentionCache, ModelCache, init_cache
+
+
+def take_slot(cache: ModelCache, slot: jax.Array) -> ModelCache:
+    return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
+
+
+def put_slot(cache: ModelCache, slot: jax.Array, sub: ModelCache) -> ModelCache:
+    return jax.tree_util.tree_map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=0), cache, sub)
+
+
+def _prefill(graphdef, state, cache, slot, tokens, n_valid, rows, temperature, top_k, top_p, seed):
+    model = nnx.merge(graphdef, state)
+    sub = take_slot(cache, slot)
+    logits, _, sub = model(tokens, sub, n_valid, rows)
+    last = jax.lax.dynamic_index_in_dim(logits[0], n_valid[0] - 1, axis=0, keepdims=True)
+    token = sample(last, temperature, top_k, top_p, seed, sub.lengths)
+    return token[0], put_slot(cache, slot, sub)
+
+
+def _decode(graphdef, state, cache, tokens, active, rows, temperature, top_k, top_p, seed):
+    model = nnx.merge(graphdef, state)
+    n_valid = active.astype(jnp.int32)
+    logits, _, cache = model(tokens[:, None], cache, n_valid, rows)
+    return sample(logits[:, 0], temperature, top_k, top_p, seed, cache.lengths), cache
+
+
+def _reset(cache: ModelCache, slot):
+    """Zeroes a slot's recurrent state and length (stale KV is harmless: positions past the length are masked)."""
+
+    def zero(layer_field, x):
+        if isinstance(layer_field, AttentionCache):
+            return x
+        return jax.lax.dynamic_update_slice_in_dim(x, jnp.zeros((1,) + x.shape[1:], x.dtype), slot, axis=0)
+
+    layers = []
+    for layer in cache.layers:
+        mixer = layer.mixer
+        if not isinstance(mixer, AttentionCache):
+            mixer = jax.tree_util.tree_map(functools.partial(zero, mixer), mixer)
+        ple = None if layer.ple is None else jax.tree_util.tree_map(functools.partial(zero, layer.ple), layer.ple)
+        layers.append(layer.replace(mixer=mixer, ple=ple))
+    return cache.replace(layers=tuple(layers), lengths=cache.lengths.at[slot].set(0))
+
+
+class DeviceSteps:
+    """Owns the slot cache and the compiled functions that advance it."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig):
+        self.model = model
+        self.config = config
+        g = model.graphdef
+        self.cache = init_cache(model.config, config.slots, config.max_context, model.dtype)
+        self._prefill = jax.jit(functools.partial(_prefill, g), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(_decode, g), donate_argnums=(1,))
+        self._reset = jax.jit(_reset, donate_argnums=(0,))
+        self._read = jax.jit(take_slot)
+        self._write = jax.jit(put_slot, donate_argnums=(0,))
+        self.ple_dims = [model.config.ple_embed_dim] * len(model.config.ple_layers)
+
+    def _rows(self, rows: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
+        return tuple(jnp.asarray(r, self.model.dtype) for r in rows)
+
+    def prefill(self, slot: int, tokens: np.ndarray, n_valid: int, rows, sampling: tuple) -> int:
+        """Runs one prompt chunk (tokens [1, C]) of `slot`; returns the token sampled after its last real one."""
+        temperature, top_k, top_p, seed = sampling
+        token, self.cache = self._prefill(
+            self.model.state, self.cache, jnp.int32(slot), jnp.asarray(tokens, jnp.int32),
+            jnp.asarray([n_valid], jnp.int32), self._rows(rows),
+            jnp.asarray([temperature], jnp.float32), jnp.asarray([top_k], jnp.int32),
+            jnp.asarray([top_p], jnp.float32), jnp.asarray([seed], jnp.uint32),
+        )
+        return int(token)
+
+    def decode(self, tokens: np.ndarray, active: np.ndarray, rows, sampling: tuple[np.ndarray, ...]) -> np.ndarray:
+        """One token for every slot (tokens/active [S]); returns the sampled tokens [S]."""
+        temperature, top_k, top_p, seed = sampling
+        out, self.cache = self._decode(
+            self.model.state, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(active),
+            self._rows(rows), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+            jnp.asarray(top_p, jnp.float32), jnp.asarray(seed, jnp.uint32),
+        )
+        return np.asarray(out)
+
+    def reset(self, slot: int) -> None:
+        self.cache = self._reset(self.cache, jnp.int32(slot))
+
+    def read(self, slot: int) -> ModelCache:
+        """A host copy of one slot's state (batch dimension 1)."""
+        return jax.tree_util.tree_map(np.asarray, self._read(self.cache, jnp.int32(slot)))
+
+    def write(self, slot: int, sub: ModelCache) -> None:
+        self.cache = self._write(self.cache, jnp.int32(slot), sub)
+
+    def warm_up(self) -> float:
+        """Compiles every function once on dummy data; returns the seconds it took. Prints progress."""
+        started = time.monotonic()
+        s = self.config.slots
+        steps = [f"prefill[{c}]" for c in self.config.prefill_chunks] + ["decode", "reset/read/write"]
+        zeros_rows = lambda b, t: tuple(np.zeros((b, t, d), np.float32) for d in self.ple_dims)  # noqa: E731
+        greedy1 = (0.0, 0, 1.0, 0)
+        for i, name in enumerate(steps, 1):
+            print(f"warm-up: compiling {name} ({i}/{len(steps)})", file=sys.stderr, flush=True)
+            if name.startswith("prefill"):
+                c = self.config.prefill_chunks[i - 1]
+                self.prefill(0, np.zeros((1, c), np.int32), 1, zeros_rows(1, c), greedy1)
+            elif name == "decode":
+                z = np.zeros(s)
+                self.decode(np.zeros(s, np.int32), np.zeros(s, bool), zeros_rows(s, 1), (z, z, z + 1, z))
+            else:
+                self.write(0, self.read(0))
+                self.reset(0)
+        jax.block_until_ready(self.cache)
+        elapsed = time.monotonic() - started
+        print(f"warm-up: compiled {len(steps)} step functions in {elapsed:.1f}s", file=sys.stderr, flush=True)
+        return elapsed
