@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.config import ModelConfig, load_config
+from strata_jax.config import ExpertQuantization, ModelConfig, load_config
 from strata_jax.model.cache import ModelCache, init_cache
 from strata_jax.model.decoder import CausalLM
 from strata_jax.model.ple_hash import NgramHasher, PleTable
@@ -169,18 +169,20 @@ def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) ->
     return int(rng.choice(len(p), p=p / p.sum()))
 
 
-def load_model(path: str | Path, dtype: str = "float32", quantize: str | None = None) -> LoadedModel:
+def load_model(
+    path: str | Path, dtype: str = "float32", quantize: str | None = None, *, planes: int = 1, group: int = 128
+) -> LoadedModel:
     """Loads a Hugging Face checkpoint directory (config.json + safetensors [+ index] + tokenizer files).
 
     dtype: "float32" or "bfloat16" (weights and activations; recurrent state is always float32).
-    quantize: None, or "1bit" (routed experts as packed sign bits; not available yet).
+    quantize: None (dense experts) or "1bit": routed experts become `planes` residual sign bit-planes with one
+    bf16 scale per `group` inputs, converted while loading, and run through `pallas_kernels`.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if quantize not in (None, "1bit"):
         raise ValueError(f"quantize must be None or '1bit', got {quantize!r}")
-    if quantize == "1bit":
-        raise NotImplementedError("quantize='1bit' is not wired into load_model yet")
+    quant = ExpertQuantization(planes=planes, group=group) if quantize == "1bit" else None
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -189,7 +191,7 @@ def load_model(path: str | Path, dtype: str = "float32", quantize: str | None = 
     reader = CheckpointReader(path)
     jdtype = _DTYPES[dtype]
     with_mtp = has_mtp(reader)
-    model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp))
+    model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant))
     fill_params(model, config, reader, jdtype)
     tables = load_ple_tables(config, reader)
     tokenizer = None

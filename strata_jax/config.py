@@ -249,6 +249,21 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError("num_experts_per_tok must be in [1, num_experts]")
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertQuantization:
+    """Routed experts as packed sign bit-planes (checkpoints/README.md, "Packed expert format")."""
+
+    planes: int = 1
+    group: int = 128
+    impl: str = "auto"  # kernel choice: auto | pallas | xla | reference (pallas_kernels.moe_experts_1bit)
+
+    def __post_init__(self):
+        if not 1 <= self.planes <= 4:
+            raise ValueError(f"planes must be 1..4, got {self.planes}")
+        if self.group not in (64, 128, 256):
+            raise ValueError(f"group must be 64, 128 or 256, got {self.group}")
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """Reads `<path>/config.json` and returns its `ModelConfig`."""
     file = Path(path) / "config.json"

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from strata_jax.config import ModelConfig
+from strata_jax.config import ExpertQuantization, ModelConfig
 from strata_jax.model.attention import Attention
 from strata_jax.model.cache import LayerCache, ModelCache
 from strata_jax.model.deltanet import GatedDeltaNet
@@ -21,7 +21,15 @@ from strata_jax.model.ple import PleLayer
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, index: int, dtype: jnp.dtype, linear: bool, has_ple: bool):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        index: int,
+        dtype: jnp.dtype,
+        linear: bool,
+        has_ple: bool,
+        quant: ExpertQuantization | None = None,
+    ):
         self.cfg = cfg
         self.linear = linear
         if linear:
@@ -31,7 +39,7 @@ class DecoderLayer(nnx.Module):
         if index in cfg.dense_mlp_layers:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
         else:
-            self.mlp = SparseMoe(cfg, dtype)
+            self.mlp = SparseMoe(cfg, dtype, quant)
         self.ple = PleLayer(cfg, dtype) if has_ple else None
         if cfg.hyper_connections:
             self.attn_hyper_connection = HyperConnection(cfg, dtype)
@@ -67,12 +75,12 @@ class DecoderLayer(nnx.Module):
 class TextModel(nnx.Module):
     """The `model.*` (or `model.language_model.*`) part of a checkpoint."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None):
         self.cfg = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nnx.List(
             [
-                DecoderLayer(cfg, i, dtype, cfg.layer_is_linear(i), i in cfg.ple_layers)
+                DecoderLayer(cfg, i, dtype, cfg.layer_is_linear(i), i in cfg.ple_layers, quant)
                 for i in range(cfg.num_layers)
             ]
         )
@@ -113,13 +121,13 @@ class Mtp(nnx.Module):
     input is copied into every stream and the streams are averaged after the layer (our convention: the reference
     implementation does not run an MTP head for qwen4_exp)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None):
         self.cfg = cfg
         h = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.fc = Linear(2 * h, h, dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, -1, dtype, linear=False, has_ple=False)])
+        self.layers = nnx.List([DecoderLayer(cfg, -1, dtype, linear=False, has_ple=False, quant=quant)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
 
     def __call__(
@@ -136,14 +144,17 @@ class Mtp(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Text model + LM head (+ MTP when the checkpoint has `mtp.*` weights)."""
+    """Text model + LM head (+ MTP when the checkpoint has `mtp.*` weights). With `quant`, routed experts are
+    packed sign bit-planes instead of dense weights."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, with_mtp: bool = False):
+    def __init__(
+        self, cfg: ModelConfig, dtype: jnp.dtype, with_mtp: bool = False, quant: ExpertQuantization | None = None
+    ):
         self.cfg = cfg
-        self.model = TextModel(cfg, dtype)
+        self.model = TextModel(cfg, dtype, quant)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
-        self.mtp = Mtp(cfg, dtype) if with_mtp else None
+        self.mtp = Mtp(cfg, dtype, quant) if with_mtp else None
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden [.., H] -> float32 logits [.., V]."""

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from strata_jax.config import ModelConfig
+from pallas_kernels import PackedWeights, moe_experts_1bit
+from strata_jax.config import ExpertQuantization, ModelConfig
 from strata_jax.model.layers import MLP, Linear, silu
 from strata_jax.model.params import empty_param
 
@@ -61,6 +62,24 @@ class Experts(nnx.Module):
         return experts_reference(x, ids, weights, self.gate_up_proj[...], self.down_proj[...])
 
 
+class PackedExperts(nnx.Module):
+    """Routed experts as packed sign bit-planes + bf16 group scales, multiplied by `pallas_kernels`."""
+
+    def __init__(self, cfg: ModelConfig, quant: ExpertQuantization):
+        e, i, h, p, g = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, quant.planes, quant.group
+        self.quant = quant
+        self.gate_up_bits = empty_param((e, p, h // 32, 2 * i), jnp.uint32)
+        self.gate_up_scales = empty_param((e, p, -(-h // g), 2 * i), jnp.bfloat16)
+        self.down_bits = empty_param((e, p, i // 32, h), jnp.uint32)
+        self.down_scales = empty_param((e, p, -(-i // g), h), jnp.bfloat16)
+
+    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+        g = self.quant.group
+        gate_up = PackedWeights(self.gate_up_bits[...], self.gate_up_scales[...], g)
+        down = PackedWeights(self.down_bits[...], self.down_scales[...], g)
+        return moe_experts_1bit(x, ids, weights, gate_up, down, impl=self.quant.impl)
+
+
 class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
         self.weight = empty_param((cfg.num_experts, cfg.hidden_size), dtype)
@@ -70,10 +89,10 @@ class Router(nnx.Module):
 
 
 class SparseMoe(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None):
         self.cfg = cfg
         self.gate = Router(cfg, dtype)
-        self.experts = Experts(cfg, dtype)
+        self.experts = Experts(cfg, dtype) if quant is None else PackedExperts(cfg, quant)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype)
 

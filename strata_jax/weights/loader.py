@@ -18,7 +18,9 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.config import ModelConfig
+from strata_jax.model.moe import PackedExperts
 from strata_jax.model.ple_hash import PleTable
+from strata_jax.weights.onebit import quantize_experts
 from strata_jax.weights.safetensors_io import CheckpointError, CheckpointReader
 
 _EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
@@ -64,17 +66,52 @@ def _read(reader: CheckpointReader, cfg: ModelConfig, ours: str, shape: tuple[in
 
 
 def fill_params(model: nnx.Module, cfg: ModelConfig, reader: CheckpointReader, dtype: jnp.dtype) -> None:
-    """Replaces every (abstract) parameter of `model` with the checkpoint's tensor, converted to `dtype`."""
-    params = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)]
-    started = time.monotonic()
-    for done, (path, param) in enumerate(params, 1):
+    """Replaces every (abstract) parameter of `model` with the checkpoint's tensor, converted to `dtype`.
+
+    Packed expert modules are filled by quantizing the checkpoint's dense experts (one layer at a time)."""
+    packed = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, PackedExperts)}
+    params = [
+        (path, node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Param) and path[:-1] not in packed
+    ]
+    total = len(params) + len(packed)
+    progress = _Progress("loading weights", total)
+    for path, param in params:
         ours = ".".join(str(p) for p in path)
         arr = _read(reader, cfg, ours, tuple(param.shape))
         param.set_value(jnp.asarray(arr.astype(np.dtype(dtype), copy=False)))
-        if sys.stderr.isatty() and (done % 50 == 0 or done == len(params)):
-            print(f"\rloading weights {done}/{len(params)} ({time.monotonic() - started:.1f}s)", end="", file=sys.stderr)
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
+        progress.step()
+    for path, module in packed.items():
+        base = ".".join(str(p) for p in path)
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        q = module.quant
+        for kind, shape in (("gate_up", (e, 2 * i, h)), ("down", (e, h, i))):
+            dense = _read(reader, cfg, f"{base}.{kind}_proj", shape)
+            pk = quantize_experts(dense.astype(np.float32), group=q.group, planes=q.planes)
+            getattr(module, f"{kind}_bits").set_value(jnp.asarray(pk.bits))
+            getattr(module, f"{kind}_scales").set_value(jnp.asarray(pk.scales))
+        progress.step()
+    progress.done()
+
+
+class _Progress:
+    """A one-line progress display on an interactive stderr."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.count = what, total, 0
+        self.started = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def step(self) -> None:
+        self.count += 1
+        if self.tty and (self.count % 20 == 0 or self.count == self.total):
+            elapsed = time.monotonic() - self.started
+            print(f"\r{self.what} {self.count}/{self.total} ({elapsed:.1f}s)", end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
 
 
 def load_ple_tables(cfg: ModelConfig, reader: CheckpointReader) -> list[PleTable]:

@@ -1,0 +1,80 @@
+"""Pallas kernels for strata_jax, each behind a pure-jnp reference.
+
+``moe_experts_1bit``: the routed-expert computation of a MoE layer on packed 1-bit / multi-plane
+weights (format: checkpoints/README.md, "Packed expert format")::
+
+    y[t] = sum_k w[t, k] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = expert_ids[t, k]
+
+Implementations (``impl``):
+
+* ``"reference"``: pure jnp, unpacks the routed experts to float32 and einsums (tests, small shapes).
+* ``"xla"``: plain XLA, gathers the routed experts' packed words and unpacks them inside one
+  reduction fusion per projection (float32 throughout). The fallback off-GPU.
+* ``"pallas"``: the Pallas kernels (Triton lowering) in ``onebit_pallas`` -- bf16 dot operands,
+  float32 accumulation; x and the intermediate activation are rounded to bf16.
+* ``"auto"``: ``"pallas"`` when JAX's default backend is a GPU, else ``"xla"``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.onebit_common import PackedWeights, as_packed, check_shapes, dequantize
+from pallas_kernels.onebit_pallas import DEFAULT_CONFIG, KernelConfig, default_config, moe_experts_1bit_pallas
+from pallas_kernels.onebit_reference import moe_experts_1bit_reference
+from pallas_kernels.onebit_xla import moe_experts_1bit_xla
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "KernelConfig",
+    "PackedWeights",
+    "as_packed",
+    "default_config",
+    "dequantize",
+    "moe_experts_1bit",
+    "moe_experts_1bit_pallas",
+    "moe_experts_1bit_reference",
+    "moe_experts_1bit_xla",
+    "resolve_impl",
+]
+
+IMPLS = ("auto", "reference", "xla", "pallas")
+
+
+def resolve_impl(impl: str = "auto") -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+def moe_experts_1bit(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    expert_weights: jax.Array,
+    gate_up,
+    down,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    config: KernelConfig | None = None,
+    poison: bool = False,
+) -> jax.Array:
+    """Routed experts on packed weights: x [T, H], expert_ids/expert_weights [T, k] -> [T, H] (x.dtype).
+
+    ``gate_up`` packs the HF fused ``gate_up_proj`` [E, 2I, H] (gate = first I rows), ``down`` packs
+    ``down_proj`` [E, H, I]; either as ``PackedWeights`` or anything with .bits/.scales/.group.
+    ``interpret`` runs the Pallas kernels in interpret mode (CPU tests); ``config`` picks schedule and
+    tiles (default: ``default_config(T)``, tuned on an H200); ``poison`` (testing aid) starts the kernels' outputs as NaN so unwritten elements show.
+    """
+    gate_up, down = as_packed(gate_up), as_packed(down)
+    check_shapes(x, expert_ids, expert_weights, gate_up, down)
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return moe_experts_1bit_reference(x, expert_ids, expert_weights, gate_up, down)
+    if impl == "xla":
+        return moe_experts_1bit_xla(x, expert_ids, expert_weights, gate_up, down)
+    return moe_experts_1bit_pallas(
+        x, expert_ids, expert_weights, gate_up, down, config=config, interpret=interpret, poison=poison
+    )

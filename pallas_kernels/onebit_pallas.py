@@ -1,0 +1,418 @@
+"""Pallas kernels (Triton lowering) for the routed-expert MoE on packed 1-bit weights.
+
+Two kernels per MoE layer:
+
+* ``gate_up``: for a block of rows routed to one expert and a tile of ``bn`` intermediate columns,
+  computes ``silu(x @ gate^T) * (x @ up^T)`` -- gate and up tiles in the same program, so the
+  activation is fused and x is read once for both.
+* ``down``: ``h @ down^T`` for the same rows, either fused with the weighted sum over the k experts
+  of a token (``pairs`` schedule: one program per (token, column tile) loops over the token's k
+  experts and writes the output once, no atomics, no extra pass) or per expert block with a masked
+  store of per-pair rows that one small XLA gather+sum combines (``grouped`` schedule).
+
+Schedules:
+
+* ``pairs``: one block per (token, slot) pair, in routing order; nothing to prepare, 2 launches.
+  Reads an expert once per pair that uses it (no de-duplication across tokens): best for decode.
+* ``grouped``: pairs sorted by expert (XLA argsort + a few tiny fusions), blocks of up to ``bm`` rows
+  of one expert, so each distinct expert's bits are read and unpacked once per block.
+
+Every program reads only its expert's words: the expert id is a scalar loaded from the routing
+table at the start of the program (the Triton lowering has no scalar-prefetch grid spec; a scalar
+load + dynamic indexing of the whole-array ref gives the same effect) and selects the base pointer.
+
+Unpacking: a tile of ``bkw`` words x ``bn`` outputs becomes ``32*bkw`` x ``bn`` signed scales by a
+shift and an and/xor per element (``unpack="xor"``: the inverted bit is shifted into the float32
+sign position and xored onto the bit pattern of the scale) or a compare/select (``"select"``);
+then one ``jnp.dot`` with the matching ``[bm, 32*bkw]`` slice of x (bf16 operands, f32
+accumulation). ``compute="vpu"`` replaces the dot with f32 FMAs (pairs schedule only).
+
+Triton constraints honoured here (interpret mode does not check them): all block shapes are powers
+of two; dot operands are >= 16 in every dimension (bm = 16, bn >= 16, K step = 32*bkw >= 32); both
+dot operands have the same dtype (bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, silu
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    schedule: str = "auto"  # "pairs" | "grouped" | "auto"
+    pairs_max_tokens: int = 8  # auto: pairs schedule when T <= this
+    bm: int = 16  # rows per block (dot M; >= 16 for the Triton dot)
+    bn1: int = 32  # gate_up: intermediate columns per program
+    bkw1: int = 4  # gate_up: packed words per K step (K step = 32 * bkw1 inputs)
+    bn2: int = 32  # down: hidden columns per program
+    bkw2: int = 4  # down: packed words per K step
+    num_warps: int = 4
+    num_stages: int = 3
+    compute: str = "mma"  # "mma" | "mma2d" (jnp.dot) | "vpu" | "vpu2d" (f32 FMA; pairs only)
+    unpack: str = "xor"  # "xor" | "select"
+
+
+DEFAULT_CONFIG = KernelConfig()
+# Measured on an H200 (docs/PERF.md, 1-bit MoE kernel): the pairs schedule with 8-word K steps wins
+# at T <= 2, the grouped schedule with 64-column tiles from T = 4 up.
+DEFAULT_PAIRS = KernelConfig(schedule="pairs", bn1=32, bkw1=8, bn2=32, bkw2=4)
+DEFAULT_GROUPED = KernelConfig(schedule="grouped", bn1=64, bkw1=4, bn2=64, bkw2=4)
+PAIRS_MAX_TOKENS = 2
+
+
+def default_config(tokens: int) -> KernelConfig:
+    return DEFAULT_PAIRS if tokens <= PAIRS_MAX_TOKENS else DEFAULT_GROUPED
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _signed_scales(words, sc, unpack: str):
+    """words uint32 [bkw, bn], sc float32 [bkw, bn] -> float32 [bkw, 32, bn]: bit j of word ? +sc : -sc."""
+    j = lax.broadcasted_iota(jnp.uint32, (1, WORD_BITS, 1), 1)
+    if unpack == "xor":
+        neg = (~words)[:, None, :] << (jnp.uint32(WORD_BITS - 1) - j)  # bit j of ~word -> bit 31
+        sgn = neg & jnp.uint32(0x80000000)
+        v = lax.bitcast_convert_type(sc, jnp.uint32)[:, None, :] ^ sgn
+        return lax.bitcast_convert_type(v, jnp.float32)
+    if unpack == "select":
+        bit = (words[:, None, :] >> j) & jnp.uint32(1)
+        return jnp.where(bit != 0, sc[:, None, :], -sc[:, None, :])
+    raise ValueError(f"unknown unpack {unpack!r}")
+
+
+def _tile_values(bits_ref, sc_ref, e, w0, n0, *, planes, bkw, bn, wpg, unpack):
+    """Sum over planes of the signed scales of a [32*bkw, bn] weight tile (float32, [bkw, 32, bn])."""
+    gidx = lax.div(w0 + lax.broadcasted_iota(jnp.int32, (bkw,), 0), jnp.int32(wpg))
+    v = None
+    for p in range(planes):
+        words = bits_ref[e, p, pl.ds(w0, bkw), pl.ds(n0, bn)]
+        sc = sc_ref[e, p, gidx, pl.ds(n0, bn)].astype(jnp.float32)
+        vp = _signed_scales(words, sc, unpack)
+        v = vp if v is None else v + vp
+    return v
+
+
+def _word_values(bits_ref, sc_ref, e, w, n0, *, planes, bn, wpg):
+    """One packed word row -> float32 [32, bn]: row j = +-scale by bit j (2-D, no reshape)."""
+    sh = jnp.uint32(WORD_BITS - 1) - lax.broadcasted_iota(jnp.uint32, (WORD_BITS, 1), 0)
+    g = lax.div(w, jnp.int32(wpg))
+    v = None
+    for p in range(planes):
+        word = bits_ref[e, p, w, pl.ds(n0, bn)]
+        sc = sc_ref[e, p, g, pl.ds(n0, bn)].astype(jnp.float32)
+        sgn = ((~word)[None, :] << sh) & jnp.uint32(0x80000000)
+        vp = lax.bitcast_convert_type(lax.bitcast_convert_type(sc, jnp.uint32)[None, :] ^ sgn, jnp.float32)
+        v = vp if v is None else v + vp
+    return v
+
+
+def _row0(acc, bm):
+    rows = lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+    return jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)
+
+
+def _mma_loop(load_x, bits_ref, sc_ref, e, n0s, *, n_steps, bm, bn, bkw, planes, wpg, unpack, compute):
+    """sum over K of x @ W^T for len(n0s) column tiles of one expert: [bm, bn] float32 each.
+
+    compute="mma": a [bkw, 32, bn] unpack reshaped to one [32*bkw, bn] dot operand per step;
+    compute="mma2d": one [32, bn] operand per word (2-D throughout, K = 32 per dot).
+    """
+    tile = functools.partial(_tile_values, bits_ref, sc_ref, planes=planes, bkw=bkw, bn=bn, wpg=wpg, unpack=unpack)
+    word = functools.partial(_word_values, bits_ref, sc_ref, planes=planes, bn=bn, wpg=wpg)
+
+    def body(it, accs):
+        w0 = it * bkw
+        accs = list(accs)
+        if compute == "mma":
+            xt = load_x(w0 * WORD_BITS, bkw * WORD_BITS).astype(jnp.bfloat16)
+            for c, n0 in enumerate(n0s):
+                v = tile(e, w0, n0).reshape(bkw * WORD_BITS, bn).astype(jnp.bfloat16)
+                accs[c] = accs[c] + jnp.dot(xt, v, preferred_element_type=jnp.float32)
+        else:
+            for i in range(bkw):
+                xt = load_x((w0 + i) * WORD_BITS, WORD_BITS).astype(jnp.bfloat16)
+                for c, n0 in enumerate(n0s):
+                    v = word(e, w0 + i, n0).astype(jnp.bfloat16)
+                    accs[c] = accs[c] + jnp.dot(xt, v, preferred_element_type=jnp.float32)
+        return tuple(accs)
+
+    z = jnp.zeros((bm, bn), jnp.float32)
+    return lax.fori_loop(0, n_steps, body, tuple(z for _ in n0s))
+
+
+def _vpu_loop(load_xrow, bits_ref, sc_ref, e, n0s, *, n_steps, bn, bkw, planes, wpg, unpack, compute):
+    """One row: sum over K of x * W^T with float32 FMAs -> [bn] per column tile (no dot)."""
+    tile = functools.partial(_tile_values, bits_ref, sc_ref, planes=planes, bkw=bkw, bn=bn, wpg=wpg, unpack=unpack)
+    word = functools.partial(_word_values, bits_ref, sc_ref, planes=planes, bn=bn, wpg=wpg)
+
+    def body(it, accs):
+        w0 = it * bkw
+        accs = list(accs)
+        if compute == "vpu":
+            x3 = load_xrow(w0 * WORD_BITS, bkw * WORD_BITS).astype(jnp.float32).reshape(bkw, WORD_BITS, 1)
+            for c, n0 in enumerate(n0s):
+                accs[c] = accs[c] + x3 * tile(e, w0, n0)
+        else:
+            for i in range(bkw):
+                xc = load_xrow((w0 + i) * WORD_BITS, WORD_BITS).astype(jnp.float32)[:, None]
+                for c, n0 in enumerate(n0s):
+                    accs[c] = accs[c] + xc * word(e, w0 + i, n0)
+        return tuple(accs)
+
+    shape = (bkw, WORD_BITS, bn) if compute == "vpu" else (WORD_BITS, bn)
+    z = jnp.zeros(shape, jnp.float32)
+    accs = lax.fori_loop(0, n_steps, body, tuple(z for _ in n0s))
+    out = []
+    for a in accs:
+        while a.ndim > 1:
+            a = jnp.sum(a, axis=0)
+        out.append(a)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# kernel bodies
+
+
+def _gate_up_kernel(*refs, grouped, k, cfg: KernelConfig, kw_total, wpg, planes, inter, poison):
+    if poison:
+        refs = refs[:-2] + refs[-1:]  # drop the aliased poison input; the output ref is the same buffer
+    if grouped:
+        blk_e_ref, blk_pos_ref, blk_n_ref, tok_ref, x_ref, bits_ref, sc_ref, h_ref = refs
+    else:
+        ids_ref, x_ref, bits_ref, sc_ref, h_ref = refs
+    bm, bn, bkw = cfg.bm, cfg.bn1, cfg.bkw1
+    b = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
+    common = dict(n_steps=kw_total // bkw, bn=bn, bkw=bkw, planes=planes, wpg=wpg, unpack=cfg.unpack,
+                  compute=cfg.compute)
+
+    if grouped:
+        e = blk_e_ref[b]
+        pos0 = blk_pos_ref[b]
+        nvalid = blk_n_ref[b]
+
+        @pl.when(e >= 0)
+        def _():
+            rows = tok_ref[pl.ds(pos0, bm)]
+            load_x = lambda k0, kk: x_ref[rows, pl.ds(k0, kk)]
+            acc_g, acc_u = _mma_loop(load_x, bits_ref, sc_ref, e, (n0, n0 + inter), bm=bm, **common)
+            hval = silu(acc_g) * acc_u
+            rmask = lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < nvalid
+            pltriton.store(h_ref.at[pl.ds(pos0, bm), pl.ds(n0, bn)], hval.astype(h_ref.dtype), mask=rmask)
+
+        return
+
+    e = ids_ref[b]
+    t = lax.div(b, jnp.int32(k))
+    if cfg.compute in ("vpu", "vpu2d"):
+        load_xrow = lambda k0, kk: x_ref[t, pl.ds(k0, kk)]
+        g, u = _vpu_loop(load_xrow, bits_ref, sc_ref, e, (n0, n0 + inter), **common)
+        h_ref[b, pl.ds(n0, bn)] = (silu(g) * u).astype(h_ref.dtype)
+        return
+    rows = jnp.full((bm,), t, jnp.int32)
+    load_x = lambda k0, kk: x_ref[rows, pl.ds(k0, kk)]
+    acc_g, acc_u = _mma_loop(load_x, bits_ref, sc_ref, e, (n0, n0 + inter), bm=bm, **common)
+    h_ref[b, pl.ds(n0, bn)] = _row0(silu(acc_g) * acc_u, bm).astype(h_ref.dtype)
+
+
+def _down_tok_kernel(*refs, k, cfg: KernelConfig, kw_total, wpg, planes, poison):
+    if poison:
+        refs = refs[:-2] + refs[-1:]
+    ids_ref, wts_ref, h_ref, bits_ref, sc_ref, y_ref = refs
+    bm, bn, bkw = cfg.bm, cfg.bn2, cfg.bkw2
+    t = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
+    common = dict(n_steps=kw_total // bkw, bn=bn, bkw=bkw, planes=planes, wpg=wpg, unpack=cfg.unpack,
+                  compute=cfg.compute)
+    vpu = cfg.compute in ("vpu", "vpu2d")
+
+    def slot(s, acc_tot):
+        e = ids_ref[t, s]
+        wt = wts_ref[t, s]
+        r = t * k + s
+        if vpu:
+            (acc,) = _vpu_loop(lambda k0, kk: h_ref[r, pl.ds(k0, kk)], bits_ref, sc_ref, e, (n0,), **common)
+        else:
+            rows = jnp.full((bm,), r, jnp.int32)
+            (acc,) = _mma_loop(lambda k0, kk: h_ref[rows, pl.ds(k0, kk)], bits_ref, sc_ref, e, (n0,), bm=bm,
+                               **common)
+        return acc_tot + wt * acc
+
+    acc = lax.fori_loop(0, k, slot, jnp.zeros((bn,) if vpu else (bm, bn), jnp.float32))
+    y = acc if vpu else _row0(acc, bm)
+    y_ref[t, pl.ds(n0, bn)] = y.astype(y_ref.dtype)
+
+
+def _down_grp_kernel(*refs, cfg: KernelConfig, kw_total, wpg, planes, poison):
+    if poison:
+        refs = refs[:-2] + refs[-1:]
+    blk_e_ref, blk_pos_ref, blk_n_ref, h_ref, bits_ref, sc_ref, ys_ref = refs
+    bm, bn, bkw = cfg.bm, cfg.bn2, cfg.bkw2
+    b = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
+    e = blk_e_ref[b]
+    pos0 = blk_pos_ref[b]
+    nvalid = blk_n_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        load_x = lambda k0, kk: h_ref[pl.ds(pos0, bm), pl.ds(k0, kk)]
+        (acc,) = _mma_loop(load_x, bits_ref, sc_ref, e, (n0,), n_steps=kw_total // bkw, bm=bm, bn=bn, bkw=bkw,
+                           planes=planes, wpg=wpg, unpack=cfg.unpack, compute=cfg.compute)
+        rmask = lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < nvalid
+        pltriton.store(ys_ref.at[pl.ds(pos0, bm), pl.ds(n0, bn)], acc.astype(ys_ref.dtype), mask=rmask)
+
+
+# --------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _call(kernel, grid, out_shape, args, cfg, interpret, poison):
+    kwargs = {}
+    if poison:
+        args = (*args, jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+        kwargs["input_output_aliases"] = {len(args) - 1: 0}
+    if not interpret:
+        kwargs["compiler_params"] = pltriton.CompilerParams(
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        )
+    return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, **kwargs)(*args)
+
+
+def _resolve(cfg: KernelConfig, gate_up: PackedWeights, down: PackedWeights) -> KernelConfig:
+    inter, hidden = down.in_features, down.out_features
+    return dataclasses.replace(
+        cfg,
+        bn1=_pow2_divisor(inter, cfg.bn1),
+        bn2=_pow2_divisor(hidden, cfg.bn2),
+        bkw1=_pow2_divisor(gate_up.bits.shape[2], cfg.bkw1),
+        bkw2=_pow2_divisor(down.bits.shape[2], cfg.bkw2),
+    )
+
+
+def gate_up_pairs(x, expert_ids, gate_up: PackedWeights, cfg: KernelConfig, *, interpret=False, poison=False):
+    """h [T*k, I] bf16 for every (token, slot) pair in routing order."""
+    t, k = expert_ids.shape
+    inter = gate_up.out_features // 2
+    kern = functools.partial(
+        _gate_up_kernel, grouped=False, k=k, cfg=cfg, kw_total=gate_up.bits.shape[2],
+        wpg=gate_up.words_per_group, planes=gate_up.planes, inter=inter, poison=poison,
+    )
+    out = jax.ShapeDtypeStruct((t * k, inter), jnp.bfloat16)
+    args = (expert_ids.reshape(-1).astype(jnp.int32), x, gate_up.bits, gate_up.scales)
+    return _call(kern, (t * k, inter // cfg.bn1), out, args, cfg, interpret, poison)
+
+
+def down_pairs(h, expert_ids, expert_weights, down: PackedWeights, out_dtype, cfg: KernelConfig, *,
+               interpret=False, poison=False):
+    """y [T, H] = sum_k w_k * down_{e_k}(h_k), the weighted sum fused into the kernel."""
+    t, k = expert_ids.shape
+    hidden = down.out_features
+    kern = functools.partial(
+        _down_tok_kernel, k=k, cfg=cfg, kw_total=down.bits.shape[2], wpg=down.words_per_group,
+        planes=down.planes, poison=poison,
+    )
+    out = jax.ShapeDtypeStruct((t, hidden), out_dtype)
+    args = (expert_ids.astype(jnp.int32), expert_weights.astype(jnp.float32), h, down.bits, down.scales)
+    return _call(kern, (t, hidden // cfg.bn2), out, args, cfg, interpret, poison)
+
+
+def num_blocks(n_pairs: int, num_experts: int, bm: int) -> int:
+    """Upper bound on the expert blocks of the grouped schedule: sum_e ceil(c_e / bm)."""
+    return min(n_pairs, -(-n_pairs // bm) + min(num_experts, n_pairs))
+
+
+def group_pairs(expert_ids, num_experts: int, bm: int):
+    """Sort (token, slot) pairs by expert and cut them into blocks of <= bm rows of one expert.
+
+    Returns (blk_expert [NB] (-1 = unused block), blk_pos [NB] (first sorted row), blk_n [NB] (rows),
+    tok_sorted [P + bm] (token of each sorted row, padded), inv [P] (sorted row of each pair)).
+    """
+    t, k = expert_ids.shape
+    p = t * k
+    nb = num_blocks(p, num_experts, bm)
+    flat = expert_ids.reshape(p).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    nblk = (counts + bm - 1) // bm
+    cblk = jnp.cumsum(nblk)
+    row_start = jnp.cumsum(counts) - counts
+    b = jnp.arange(nb, dtype=jnp.int32)
+    eb = jnp.sum((cblk[None, :] <= b[:, None]).astype(jnp.int32), axis=1)  # expert of block b
+    valid = eb < num_experts
+    ebc = jnp.minimum(eb, num_experts - 1)
+    q = b - (cblk[ebc] - nblk[ebc])  # block index within its expert
+    blk_pos = jnp.where(valid, row_start[ebc] + q * bm, 0).astype(jnp.int32)
+    blk_n = jnp.where(valid, jnp.minimum(bm, counts[ebc] - q * bm), 0).astype(jnp.int32)
+    blk_e = jnp.where(valid, eb, -1).astype(jnp.int32)
+    tok_sorted = jnp.concatenate([order // k, jnp.zeros((bm,), jnp.int32)])
+    inv = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
+    return blk_e, blk_pos, blk_n, tok_sorted, inv
+
+
+def gate_up_grouped(x, blocks, gate_up: PackedWeights, cfg: KernelConfig, *, interpret=False, poison=False):
+    """h_sorted [P + bm, I] bf16: rows in expert-sorted pair order (rows >= P unwritten)."""
+    blk_e, blk_pos, blk_n, tok_sorted, inv = blocks
+    p = inv.shape[0]
+    inter = gate_up.out_features // 2
+    kern = functools.partial(
+        _gate_up_kernel, grouped=True, k=1, cfg=cfg, kw_total=gate_up.bits.shape[2],
+        wpg=gate_up.words_per_group, planes=gate_up.planes, inter=inter, poison=poison,
+    )
+    out = jax.ShapeDtypeStruct((p + cfg.bm, inter), jnp.bfloat16)
+    args = (blk_e, blk_pos, blk_n, tok_sorted, x, gate_up.bits, gate_up.scales)
+    return _call(kern, (blk_e.shape[0], inter // cfg.bn1), out, args, cfg, interpret, poison)
+
+
+def down_grouped(h_sorted, blocks, down: PackedWeights, cfg: KernelConfig, *, interpret=False, poison=False):
+    """y_sorted [P + bm, H] float32 (unweighted per-pair outputs, expert-sorted order)."""
+    blk_e, blk_pos, blk_n, _, inv = blocks
+    p = inv.shape[0]
+    hidden = down.out_features
+    kern = functools.partial(
+        _down_grp_kernel, cfg=cfg, kw_total=down.bits.shape[2], wpg=down.words_per_group,
+        planes=down.planes, poison=poison,
+    )
+    out = jax.ShapeDtypeStruct((p + cfg.bm, hidden), jnp.float32)
+    args = (blk_e, blk_pos, blk_n, h_sorted, down.bits, down.scales)
+    return _call(kern, (blk_e.shape[0], hidden // cfg.bn2), out, args, cfg, interpret, poison)
+
+
+def moe_experts_1bit_pallas(
+    x, expert_ids, expert_weights, gate_up: PackedWeights, down: PackedWeights, *,
+    config: KernelConfig | None = None, interpret: bool = False, poison: bool = False,
+):
+    t, k = expert_ids.shape
+    cfg = _resolve(config or default_config(t), gate_up, down)
+    schedule = cfg.schedule
+    if schedule == "auto":
+        schedule = "pairs" if t <= cfg.pairs_max_tokens else "grouped"
+    if schedule == "pairs":
+        h = gate_up_pairs(x, expert_ids, gate_up, cfg, interpret=interpret, poison=poison)
+        return down_pairs(h, expert_ids, expert_weights, down, x.dtype, cfg, interpret=interpret, poison=poison)
+    if schedule != "grouped":
+        raise ValueError(f"unknown schedule {schedule!r}")
+    if cfg.compute not in ("mma", "mma2d"):  # the vpu forms handle one row per block only
+        cfg = dataclasses.replace(cfg, compute="mma2d" if cfg.compute == "vpu2d" else "mma")
+    blocks = group_pairs(expert_ids, gate_up.num_experts, cfg.bm)
+    h = gate_up_grouped(x, blocks, gate_up, cfg, interpret=interpret, poison=poison)
+    ys = down_grouped(h, blocks, down, cfg, interpret=interpret, poison=poison)
+    inv = blocks[4]
+    y = ys[inv].reshape(t, k, -1) * expert_weights.astype(jnp.float32)[..., None]
+    return jnp.sum(y, axis=1).astype(x.dtype)
