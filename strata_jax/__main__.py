@@ -1,4 +1,4 @@
-"""Command line: `python -m strata_jax generate ...` (serve, quantize and plan arrive with their issues)."""
+"""Command line: `python -m strata_jax generate|serve ...` (quantize and plan arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,53 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from strata_jax.weights.convert import convert_checkpoint
+
+    started = time.monotonic()
+    meta = convert_checkpoint(args.model, args.out, group=args.group, planes=args.planes, dtype=args.dtype)
+    print(f"wrote {args.out} ({meta['planes']} plane(s), group {meta['group']}) in {time.monotonic() - started:.1f}s")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.main import serve
+
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    for flag, value, bound in (("--slots", args.slots, 1), ("--ctx", args.ctx, 2), ("--port", args.port, 0)):
+        if value < bound:
+            print(f"error: {flag} must be >= {bound}", file=sys.stderr)
+            return 2
+    if args.draft != "none":
+        print(f"note: speculative drafting (--draft {args.draft}) arrives with a later issue; "
+              "serving without a drafter", flush=True)
+    if args.vram_reserve_mib is not None or args.pool_workers is not None:
+        print("note: the VRAM planner and host expert pool (--vram-reserve-mib, --pool-workers) arrive with a later "
+              "issue; all weights stay on the device for now", flush=True)
+    served_name = args.served_name or model_dir.resolve().name
+
+    def load_engine():
+        from strata_jax import load_model
+        from strata_jax.engine import Engine, EngineConfig
+
+        started = time.monotonic()
+        print(f"loading {model_dir} ({args.dtype}) ...", flush=True)
+        model = load_model(model_dir, dtype=args.dtype)
+        if model.tokenizer is None:
+            raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
+        print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
+        engine = Engine(model, EngineConfig(slots=args.slots, max_context=args.ctx))
+        engine.start()
+        print(f"engine ready ({args.slots} slots x {args.ctx} tokens) after {time.monotonic() - started:.1f}s",
+              flush=True)
+        return engine, model.tokenizer, engine.context_length
+
+    return serve(load_engine, host=args.host, port=args.port, api_key=args.api_key, served_name=served_name,
+                 allow_insecure_public=args.allow_insecure_public)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m strata_jax",
@@ -56,6 +103,41 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve a checkpoint over HTTP to coding agents (Anthropic and OpenAI APIs)",
+        description="Serve a checkpoint: Anthropic Messages API (/v1/messages) for Claude Code, OpenAI chat "
+        "completions (/v1/chat/completions), /health and /metrics. Prints `listening on URL` when ready.",
+    )
+    srv.add_argument("--model", default=str(DEMO_MODEL), help="checkpoint directory (default: the bundled demo)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
+    srv.add_argument("--slots", type=int, default=4, help="concurrent requests decoded together (default 4)")
+    srv.add_argument("--ctx", type=int, default=4096, help="context tokens per slot, prompt + output (default 4096)")
+    srv.add_argument("--api-key", default=None, help="require this key (x-api-key or Authorization: Bearer); "
+                     "default $STRATA_API_KEY")
+    srv.add_argument("--served-name", default=None, help="model name in /v1/models (default: the model dir's name)")
+    srv.add_argument("--vram-reserve-mib", type=int, default=None, help="device memory to leave free")
+    srv.add_argument("--pool-workers", type=int, default=None, help="host expert pool threads")
+    srv.add_argument("--draft", default="none", help="speculative drafter: mtp, ngram, a drafter DIR, or none")
+    srv.add_argument("--allow-insecure-public", action="store_true",
+                     help="allow a non-loopback --host without an API key")
+    srv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    srv.set_defaults(func=_serve)
+    qnt = sub.add_parser(
+        "quantize",
+        help="convert a HF checkpoint: routed experts to packed 1-bit planes (orbax, resumable)",
+        description="Convert a Hugging Face checkpoint into a directory with packed 1-bit expert planes, written "
+        "part by part with orbax-checkpoint. Re-running resumes an interrupted conversion. load_model and serve "
+        "accept the result directly.",
+    )
+    qnt.add_argument("--model", required=True, help="source HF checkpoint directory")
+    qnt.add_argument("--out", required=True, help="output directory")
+    qnt.add_argument("--group", type=int, default=128, choices=[64, 128, 256], help="inputs per scale (default 128)")
+    qnt.add_argument("--planes", type=int, default=1, choices=[1, 2, 3, 4], help="residual bit-planes (default 1)")
+    qnt.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dense weights' dtype")
+    qnt.set_defaults(func=_quantize)
     return parser
 
 

@@ -22,6 +22,7 @@ from strata_jax.config import ExpertQuantization, ModelConfig, load_config
 from strata_jax.model.cache import ModelCache, init_cache
 from strata_jax.model.decoder import CausalLM
 from strata_jax.model.ple_hash import NgramHasher, PleTable
+from strata_jax.weights.convert import is_converted, read_marker, restore_params
 from strata_jax.weights.loader import fill_params, has_mtp, load_ple_tables
 from strata_jax.weights.safetensors_io import CheckpointReader
 
@@ -172,7 +173,8 @@ def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) ->
 def load_model(
     path: str | Path, dtype: str = "float32", quantize: str | None = None, *, planes: int = 1, group: int = 128
 ) -> LoadedModel:
-    """Loads a Hugging Face checkpoint directory (config.json + safetensors [+ index] + tokenizer files).
+    """Loads a Hugging Face checkpoint directory (config.json + safetensors [+ index] + tokenizer files), or a
+    directory written by `python -m strata_jax quantize` (its experts stay packed as converted).
 
     dtype: "float32" or "bfloat16" (weights and activations; recurrent state is always float32).
     quantize: None (dense experts) or "1bit": routed experts become `planes` residual sign bit-planes with one
@@ -182,18 +184,26 @@ def load_model(
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if quantize not in (None, "1bit"):
         raise ValueError(f"quantize must be None or '1bit', got {quantize!r}")
-    quant = ExpertQuantization(planes=planes, group=group) if quantize == "1bit" else None
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     started = time.monotonic()
     config = load_config(path)
-    reader = CheckpointReader(path)
     jdtype = _DTYPES[dtype]
-    with_mtp = has_mtp(reader)
-    model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant))
-    fill_params(model, config, reader, jdtype)
-    tables = load_ple_tables(config, reader)
+    if is_converted(path):
+        meta = read_marker(path)
+        quant = ExpertQuantization(planes=meta["planes"], group=meta["group"])
+        with_mtp = (path / "params" / "mtp").is_dir()
+        model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant))
+        restore_params(model, path)
+        reader = CheckpointReader(path) if config.ple_layers else None
+    else:
+        quant = ExpertQuantization(planes=planes, group=group) if quantize == "1bit" else None
+        reader = CheckpointReader(path)
+        with_mtp = has_mtp(reader)
+        model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant))
+        fill_params(model, config, reader, jdtype)
+    tables = load_ple_tables(config, reader) if reader is not None else []
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         from strata_jax.tokenizer import load_tokenizer

@@ -1,0 +1,199 @@
+"""`python -m strata_jax.bench`: measurements of the engine against the floors of the device.
+
+Mode `step` (the only one so far): the engine's decode step (one token for every slot) on a synthetic model at
+real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
+host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
+the kernels the compiled step launches (from its HLO) times ~5 us each, and the fraction of the floor reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import functools
+import json
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strata_jax.config import ExpertQuantization, ModelConfig
+from strata_jax.engine.steps import _decode
+from strata_jax.model.cache import AttentionCache, init_cache
+from strata_jax.model.moe import PackedExperts
+from strata_jax.synthetic import PRESETS, preset_config, synthetic_model
+
+LAUNCH_US = 5.0  # measured per-kernel cost of a small step on the H200 (DESIGN.md)
+_KERNEL_OPS = re.compile(r"=\s*\S+\s+(fusion|custom-call|dot|convolution|scatter|gather|sort|reduce|copy|while)\(")
+
+
+def copy_bandwidth(gib: float = 2.0, reps: int = 20) -> float:
+    """Bytes/s of one fused elementwise pass (read + write) over a large random bf16 array."""
+    n = int(gib * 2**30 / 2)
+    x = jax.random.normal(jax.random.key(1), (n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.0001 + 0.5)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n * 2 / statistics.median(times)
+
+
+def count_kernels(hlo_text: str) -> int:
+    """Kernel-launching instructions in a compiled module (fusions, custom calls, library calls, loops)."""
+    return sum(1 for line in hlo_text.splitlines() if _KERNEL_OPS.search(line))
+
+
+def step_bytes(cfg: ModelConfig, model, slots: int, fill: int) -> dict[str, float]:
+    """The fewest bytes one decode step must read (and write, for recurrent state)."""
+    dense = experts_per_layer = expert_layers = 0
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, PackedExperts):
+            expert_layers += 1
+            experts_per_layer = sum(
+                getattr(node, n)[...].nbytes for n in ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
+            )
+        elif isinstance(node, nnx.Param) and "experts" not in str(path) and "embed_tokens" not in str(path):
+            dense += node[...].nbytes
+    per_expert = experts_per_layer / cfg.num_experts
+    distinct = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** slots)
+    n_attn = cfg.layer_types.count("full_attention")
+    n_lin = cfg.num_layers - n_attn
+    kv_tok = 2 * cfg.num_kv_heads * cfg.head_dim * 2 + (cfg.indexer_head_dim * 2 if cfg.qsa else 0)
+    state = cfg.linear_num_v_heads * cfg.linear_k_dim * cfg.linear_v_dim * 4
+    return {
+        "dense": dense,
+        "experts": expert_layers * distinct * per_expert,
+        "kv": n_attn * slots * fill * kv_tok,
+        "recurrent": 2 * n_lin * slots * state,
+        "embed": slots * cfg.hidden_size * 2,
+    }
+
+
+def _random_cache(cfg, slots, ctx, fill, dtype):
+    cache = init_cache(cfg, slots, ctx, dtype)
+    key = jax.random.key(7)
+    leaves, tree = jax.tree_util.tree_flatten(cache)
+    leaves = [
+        (jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) * 0.1).astype(x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+        else x
+        for i, x in enumerate(leaves)
+    ]
+    cache = jax.tree_util.tree_unflatten(tree, leaves)
+    return cache.replace(lengths=jnp.full((slots,), fill, jnp.int32))
+
+
+def run_step_bench(args) -> list[dict]:
+    cfg = preset_config(args.preset)
+    quant = ExpertQuantization(planes=args.planes, group=args.group, impl=args.impl)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    bw = copy_bandwidth(args.bandwidth_gib)
+    print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s", flush=True)
+    t = time.monotonic()
+    model = synthetic_model(cfg, jnp.bfloat16, quant)
+    graphdef, state = nnx.split(model)
+    jax.block_until_ready(state)
+    print(f"synthetic {args.preset}: {sum(x.nbytes for x in jax.tree_util.tree_leaves(state)) / 2**30:.1f} GiB "
+          f"on device in {time.monotonic() - t:.0f}s", flush=True)
+    decode = jax.jit(functools.partial(_decode, graphdef), donate_argnums=(1,))
+
+    def inputs(s):
+        rng = np.random.default_rng(s)
+        z = jnp.zeros(s)
+        return (
+            jnp.asarray(rng.integers(0, cfg.vocab_size, s), jnp.int32), jnp.ones(s, bool), (),
+            z, z.astype(jnp.int32), z + 1, z.astype(jnp.uint32),
+        )
+
+    def compile_one(s):
+        cache = jax.eval_shape(lambda: _random_cache(cfg, s, args.ctx, args.fill, jnp.bfloat16))
+        t0 = time.monotonic()
+        compiled = decode.lower(state, cache, *inputs(s)).compile()
+        return s, compiled, time.monotonic() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(len(args.slots)) as pool:
+        compiled = {s: (c, dt) for s, c, dt in pool.map(compile_one, args.slots)}
+    rows = []
+    for s in args.slots:
+        fn, compile_s = compiled[s]
+        kernels = count_kernels(fn.as_text())
+        cache = _random_cache(cfg, s, args.ctx, args.fill, jnp.bfloat16)
+        ins = inputs(s)
+        for _ in range(3):
+            out, cache = fn(state, cache, *ins)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            out, cache = fn(state, cache, *ins)
+        jax.block_until_ready(cache)
+        device_ms = (time.perf_counter() - t0) / args.steps * 1e3
+        loop = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            out, cache = fn(state, cache, *ins)
+            np.asarray(out)  # the engine needs the tokens on the host every step
+            loop.append(time.perf_counter() - t0)
+        loop_ms = statistics.median(loop) * 1e3
+        parts = step_bytes(cfg, model, s, args.fill)
+        total = sum(parts.values())
+        mem_ms = total / bw * 1e3
+        launch_ms = kernels * LAUNCH_US / 1e3
+        floor_ms = max(mem_ms, launch_ms)
+        rows.append({
+            "slots": s, "device_ms": device_ms, "loop_ms": loop_ms, "tok_s": s / loop_ms * 1e3,
+            "bytes_gb": total / 1e9, "bytes": parts, "mem_floor_ms": mem_ms, "kernels": kernels,
+            "launch_floor_ms": launch_ms, "floor_ms": floor_ms, "fraction_of_floor": floor_ms / device_ms,
+            "compile_s": compile_s,
+        })
+        print(f"slots {s}: {device_ms:.2f} ms/step device, {loop_ms:.2f} ms with host sync", flush=True)
+        del cache
+    return [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows]
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| slots | step ms (device) | step ms (+host sync) | tok/s | GB read | mem floor ms | kernels "
+          "| launch floor ms | floor / time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['slots']} | {r['device_ms']:.2f} | {r['loop_ms']:.2f} | {r['tok_s']:.0f} | {r['bytes_gb']:.2f} "
+              f"| {r['mem_floor_ms']:.2f} | {r['kernels']} | {r['launch_floor_ms']:.2f} "
+              f"| {r['fraction_of_floor']:.0%} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["step"], default="step", help="what to measure (default: step)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="flash-next-125b",
+                   help="synthetic model shapes (default flash-next-125b)")
+    p.add_argument("--slots", default="1,4,8,16,32", help="comma-separated slot counts")
+    p.add_argument("--ctx", type=int, default=4096, help="context per slot (KV cache length)")
+    p.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--planes", type=int, default=1, help="expert bit-planes")
+    p.add_argument("--group", type=int, default=128, help="inputs per expert scale")
+    p.add_argument("--impl", default="auto", help="expert kernel: auto | pallas | xla | reference")
+    p.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the bandwidth probe")
+    p.add_argument("--json", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    args.slots = [int(s) for s in args.slots.split(",")]
+    rows = run_step_bench(args)
+    print_table(rows)
+    if args.json:
+        meta = {"date": datetime.date.today().isoformat(), "argv": sys.argv, "device": jax.devices()[0].device_kind}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
