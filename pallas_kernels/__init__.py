@@ -13,6 +13,10 @@ Implementations (``impl``):
 * ``"pallas"``: the Pallas kernels (Triton lowering) in ``onebit_pallas`` -- bf16 dot operands,
   float32 accumulation; x and the intermediate activation are rounded to bf16.
 * ``"auto"``: ``"pallas"`` when JAX's default backend is a GPU, else ``"xla"``.
+
+Lowering: the Pallas kernels use the Triton lowering on every GPU (the only one implemented and
+measured; it reaches consumer cards). A Mosaic GPU (``plgpu``) version for Hopper is future work --
+see docs/PERF.md. Expert ids must lie in ``[0, E)``; the kernels do not check.
 """
 
 from __future__ import annotations

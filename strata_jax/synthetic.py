@@ -6,6 +6,8 @@ zeros: routing, attention and kernels see realistic data), created parameter by 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -86,10 +88,17 @@ def synthetic_model(cfg: ModelConfig, dtype=jnp.bfloat16, quant: ExpertQuantizat
 
 
 def _random(key, shape, dtype, name):
-    if dtype == jnp.uint32:
-        return jax.jit(lambda k: jax.random.bits(k, shape, jnp.uint32))(key)
-    if name.endswith("scales"):
-        return jax.jit(lambda k: jax.random.uniform(k, shape, jnp.float32, 0.01, 0.03).astype(dtype))(key)
-    fan_in = shape[-1] if len(shape) > 1 else 1
-    std = 0.1 if len(shape) == 1 else fan_in**-0.5
-    return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype))(key)
+    kind = "bits" if dtype == jnp.uint32 else "scales" if name.endswith("scales") else "normal"
+    return _generator(shape, jnp.dtype(dtype).name, kind)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _generator(shape: tuple[int, ...], dtype_name: str, kind: str):
+    """One compiled generator per distinct (shape, dtype, kind): a 48-layer model has a few dozen, not thousands."""
+    dtype = jnp.dtype(dtype_name)
+    if kind == "bits":
+        return jax.jit(lambda k: jax.random.bits(k, shape, jnp.uint32))
+    if kind == "scales":
+        return jax.jit(lambda k: jax.random.uniform(k, shape, jnp.float32, 0.01, 0.03).astype(dtype))
+    std = 0.1 if len(shape) == 1 else shape[-1] ** -0.5
+    return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype))
