@@ -1,6 +1,9 @@
 """`python -m strata_jax.bench`: measurements of the engine against the floors of the device.
 
-Mode `step` (the only one so far): the engine's decode step (one token for every slot) on a synthetic model at
+Mode `quant`: for a checkpoint with reference outputs (tests/fixtures/ckpt/*), how 1-4 expert bit-planes change the
+logits and the greedy continuation. Mode `load`: time to quantize a HF checkpoint while loading vs restoring the
+directory `quantize` wrote (on a synthetic HF checkpoint written to a temporary directory).
+Mode `step`: the engine's decode step (one token for every slot) on a synthetic model at
 real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
 host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
 the kernels the compiled step launches (from its HLO) times ~5 us each, and the fraction of the floor reached.
@@ -159,6 +162,72 @@ def run_step_bench(args) -> list[dict]:
     return [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows]
 
 
+def run_quant_effect(args) -> list[dict]:
+    """Logit error, top-1 agreement and greedy agreement per plane count against the checkpoint's reference."""
+    from pathlib import Path
+
+    from strata_jax.api import load_model
+
+    ref = dict(np.load(Path(args.model) / "reference.npz"))
+    rows = []
+    for planes in (0, 1, 2, 3, 4):
+        quant = {} if planes == 0 else {"quantize": "1bit", "planes": planes, "group": args.group}
+        m = load_model(args.model, **quant)
+        logits = m.logits(ref["input_ids"])
+        greedy = m.generate([int(t) for t in ref["prompt"][0]], 16, stop_at_eos=False)
+        want = [int(t) for t in ref["greedy"]]
+        match = next((i for i, (a, b) in enumerate(zip(greedy, want)) if a != b), len(want))
+        rows.append({
+            "planes": planes or "dense",
+            "logit_rel_err": float(np.abs(logits - ref["logits"]).max() / np.abs(ref["logits"]).max()),
+            "top1_agree": float(np.mean(logits.argmax(-1) == ref["logits"].argmax(-1))),
+            "greedy_prefix_match": match,
+        })
+        print(rows[-1], flush=True)
+    return rows
+
+
+def run_load_times(args) -> list[dict]:
+    """Seconds to load with quantize-on-load vs to restore a converted directory, on a synthetic checkpoint."""
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from strata_jax.api import load_model
+    from strata_jax.weights.convert import convert_checkpoint
+
+    raw = {**PRESETS["tiny"], "hidden_size": 512, "num_hidden_layers": 8, "num_experts": 128,
+           "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
+    cfg = preset_config("tiny").__class__.from_hf_dict(raw)
+    model = synthetic_model(cfg, jnp.float32)
+    tensors = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            name = ".".join(str(p) for p in path)
+            tensors[name] = np.asarray(node[...], np.float32)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "hf", Path(tmp) / "q"
+        src.mkdir()
+        save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+        (src / "config.json").write_text(json.dumps(raw))
+        size = (src / "model.safetensors").stat().st_size
+        t = time.perf_counter()
+        load_model(src, dtype="bfloat16", quantize="1bit", planes=args.planes, group=args.group)
+        on_load = time.perf_counter() - t
+        t = time.perf_counter()
+        convert_checkpoint(src, out, planes=args.planes, group=args.group)
+        convert = time.perf_counter() - t
+        t = time.perf_counter()
+        load_model(out, dtype="bfloat16")
+        restore = time.perf_counter() - t
+        rows.append({"checkpoint_mb": size / 1e6, "planes": args.planes, "quantize_on_load_s": on_load,
+                     "convert_s": convert, "restore_converted_s": restore})
+    print(rows[-1], flush=True)
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     print("\n| slots | step ms (device) | step ms (+host sync) | tok/s | GB read | mem floor ms | kernels "
           "| launch floor ms | floor / time |")
@@ -172,7 +241,8 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["step"], default="step", help="what to measure (default: step)")
+    p.add_argument("--mode", choices=["step", "quant", "load"], default="step", help="what to measure (default: step)")
+    p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
     p.add_argument("--preset", choices=sorted(PRESETS), default="flash-next-125b",
                    help="synthetic model shapes (default flash-next-125b)")
     p.add_argument("--slots", default="1,4,8,16,32", help="comma-separated slot counts")
@@ -186,8 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
     args.slots = [int(s) for s in args.slots.split(",")]
-    rows = run_step_bench(args)
-    print_table(rows)
+    if args.mode == "quant":
+        rows = run_quant_effect(args)
+    elif args.mode == "load":
+        rows = run_load_times(args)
+    else:
+        rows = run_step_bench(args)
+        print_table(rows)
     if args.json:
         meta = {"date": datetime.date.today().isoformat(), "argv": sys.argv, "device": jax.devices()[0].device_kind}
         with open(args.json, "w") as f:

@@ -157,3 +157,18 @@ def test_stop_token_and_stop_string(engine, model):
     cut = asyncio.run(_collect(engine, p, max_tokens=12, stop_strings=(stop,)))
     assert cut[-1].finish_reason == "stop_string" and cut[-1].stop_string == stop
     assert "".join(ev.text for ev in cut) == text[: text.index(stop)]
+
+
+def test_bf16_cache_on_a_float32_model(model):
+    eng = Engine(model, EngineConfig(slots=2, max_context=64, prefill_chunks=(16,), cache_dtype="bfloat16"))
+    assert eng._steps.cache.layers[3].mixer.k.dtype == np.dtype("bfloat16")
+    assert eng._steps.cache.layers[0].mixer.state.dtype == np.float32
+    eng.start()
+    try:
+        p = _prompt(20, 10)
+        events = asyncio.run(_collect(eng, p, max_tokens=6))
+        greedy = model.generate(list(p), 6, stop_at_eos=False)
+        assert len(_tokens(events)) == 6
+        assert _tokens(events)[0] == greedy[0]
+    finally:
+        eng.shutdown()

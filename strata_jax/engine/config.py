@@ -12,6 +12,8 @@ class EngineConfig:
     bounds how long a prefill chunk stalls running streams), smaller ones serve short remainders.
     prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it).
     snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
+    cache_dtype: dtype of KV and conv caches ("bfloat16" / "float32"; None = the model's dtype). Gated DeltaNet
+    recurrent state is always float32.
     """
 
     slots: int = 4
@@ -19,12 +21,15 @@ class EngineConfig:
     prefill_chunks: tuple[int, ...] = (32, 256)
     prefix_cache_mib: int = 2048
     snapshot_every: int = 1024
+    cache_dtype: str | None = None
 
     def __post_init__(self):
         if self.slots < 1:
             raise ValueError("slots must be >= 1")
         if self.max_context < 2:
             raise ValueError("max_context must be >= 2")
+        if self.cache_dtype not in (None, "bfloat16", "float32"):
+            raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
         if not self.prefill_chunks or min(self.prefill_chunks) < 1:
             raise ValueError("prefill_chunks must be positive sizes")
         object.__setattr__(self, "prefill_chunks", tuple(sorted(set(self.prefill_chunks))))

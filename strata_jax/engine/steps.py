@@ -73,7 +73,8 @@ class DeviceSteps:
         self.model = model
         self.config = config
         g = model.graphdef
-        self.cache = init_cache(model.config, config.slots, config.max_context, model.dtype)
+        dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
+        self.cache = init_cache(model.config, config.slots, config.max_context, dtype)
         self._prefill = jax.jit(functools.partial(_prefill, g), donate_argnums=(1,))
         self._decode = jax.jit(functools.partial(_decode, g), donate_argnums=(1,))
         self._reset = jax.jit(_reset, donate_argnums=(0,))
