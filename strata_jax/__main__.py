@@ -138,7 +138,73 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.add_argument("--planes", type=int, default=1, choices=[1, 2, 3, 4], help="residual bit-planes (default 1)")
     qnt.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dense weights' dtype")
     qnt.set_defaults(func=_quantize)
+    pln = sub.add_parser(
+        "plan",
+        help="print the memory plan (what lives on the GPU, what stays in host RAM) and the CPU budget",
+        description="Plan device memory for a checkpoint served with --slots x --ctx: dense weights, caches, "
+        "workspace, reserve, and how many experts per MoE layer fit on the GPU. Reads config.json (and "
+        "strata_quant.json) only, never the weights. Exit code 2 when even the minimum does not fit.",
+    )
+    src = pln.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="HF or converted checkpoint directory (default: the bundled demo)")
+    src.add_argument("--preset", default=None, help="a synthetic preset instead, e.g. flash-next-125b")
+    pln.add_argument("--slots", type=int, default=4, help="concurrent sequences (default 4)")
+    pln.add_argument("--ctx", type=int, default=4096, help="context tokens per slot (default 4096)")
+    pln.add_argument("--planes", type=int, default=None, choices=[0, 1, 2, 3, 4],
+                     help="expert bit-planes (default 1; 0 = dense experts; a converted dir's own value wins)")
+    pln.add_argument("--group", type=int, default=None, choices=[64, 128, 256], help="inputs per scale (default 128)")
+    pln.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="dense weights (default bfloat16)")
+    pln.add_argument("--cache-dtype", choices=["bfloat16", "float32"], default=None, help="default: --dtype")
+    pln.add_argument("--vram-reserve-mib", type=int, default=1536, help="device memory to leave free (default 1536)")
+    pln.add_argument("--vram-budget-mib", type=int, default=None, help="act as a card of this size (required on CPU)")
+    pln.add_argument("--pool-workers", type=int, default=None, help="host expert pool threads (default: from quota)")
+    pln.set_defaults(func=_plan)
     return parser
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import os
+
+    from strata_jax.engine.planner import PROBE_ENV, apply_env
+
+    # Before JAX's backend starts: a limit of the whole card and no preallocation, so memory_stats shows the card.
+    apply_env(PROBE_ENV, os.environ)
+    from strata_jax.config import ExpertQuantization, load_config
+    from strata_jax.engine.config import EngineConfig
+    from strata_jax.engine.cpu_quota import cpu_budget, describe
+    from strata_jax.engine.planner import device_memory, format_plan, make_plan
+
+    planes, group, dtype = args.planes, args.group, args.dtype
+    if args.preset:
+        from strata_jax.synthetic import preset_config
+
+        cfg, with_mtp = preset_config(args.preset), False
+    else:
+        model_dir = Path(args.model or DEMO_MODEL)
+        cfg = load_config(model_dir)
+        if (model_dir / "strata_quant.json").is_file():
+            from strata_jax.weights.convert import read_marker
+
+            meta = read_marker(model_dir)
+            planes, group, dtype = meta["planes"], meta["group"], meta.get("dtype", dtype)
+            with_mtp = (model_dir / "params" / "mtp").is_dir()
+        else:
+            from strata_jax.weights.loader import has_mtp
+            from strata_jax.weights.safetensors_io import CheckpointReader
+
+            with_mtp = has_mtp(CheckpointReader(model_dir))  # safetensors headers only
+    planes = 1 if planes is None else planes
+    quant = ExpertQuantization(planes=planes, group=group or 128) if planes else None
+    engine = EngineConfig(slots=args.slots, max_context=args.ctx, cache_dtype=args.cache_dtype)
+    plan = make_plan(cfg, quant, engine, weights_dtype=dtype or "bfloat16", with_mtp=with_mtp,
+                     vram_reserve_mib=args.vram_reserve_mib, vram_budget_mib=args.vram_budget_mib,
+                     device=device_memory())
+    print(format_plan(plan))
+    print(describe(cpu_budget(pool_workers=args.pool_workers)), flush=True)
+    if not plan.fits:
+        print(f"error: {plan.message}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

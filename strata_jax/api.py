@@ -94,6 +94,10 @@ class LoadedModel:
             new.append(hasher.next_context(ctx, tokens, n_valid))
         return tuple(rows), new
 
+    def ple_next_context(self, contexts: list[np.ndarray], tokens: np.ndarray, n_valid: np.ndarray) -> list[np.ndarray]:
+        """The contexts after consuming the first n_valid[b] of tokens [B, T] (no rows gathered)."""
+        return [h.next_context(ctx, tokens, n_valid) for h, ctx in zip(self._hashers, contexts)]
+
     # -- low-level, explicit-state API -------------------------------------------------------------------------
     def start(self, batch: int, max_len: int) -> Sequences:
         """Empty state for `batch` sequences of up to `max_len` tokens."""

@@ -64,6 +64,8 @@ class TokenEvent:
     cached_tokens: int = 0
     completion_tokens: int = 0
     timing: RequestTiming | None = None
+    draft_tokens: int = 0  # on the last event: tokens the drafter guessed for this request
+    accepted_draft_tokens: int = 0  # ... and how many of them the model accepted
 
 
 class PromptTooLong(ValueError):

@@ -21,19 +21,21 @@ from strata_jax.model.cache import cache_bytes
 class Engine:
     """Serves one loaded model to many concurrent requests (implements `EngineProtocol`)."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, drafter=None):
+        """`drafter` (an object with `propose(history, limit) -> list[int]`) overrides `config.draft`; the
+        verify step is compiled when either is set."""
         self.model = model
         self.config = config or EngineConfig()
         self.tokenizer = model.tokenizer
         self.context_length = self.config.max_context
-        self._steps = DeviceSteps(model, self.config)
+        self._steps = DeviceSteps(model, self.config, with_verify=drafter is not None or self.config.draft != "none")
         mib = cache_bytes(self._steps.cache) / 2**20
         print(
             f"engine: {self.config.slots} slots x {self.config.max_context} tokens, caches {mib:.1f} MiB on device",
             file=sys.stderr,
             flush=True,
         )
-        self._scheduler = Scheduler(model, self.config, self._steps)
+        self._scheduler = Scheduler(model, self.config, self._steps, drafter)
         self.compile_seconds = 0.0
         self._started = False
 

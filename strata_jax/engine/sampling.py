@@ -6,6 +6,31 @@ import jax
 import jax.numpy as jnp
 
 
+def processed_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Logits [S, ..., V] after temperature, top-k and top-p (per-slot parameters [S]); removed tokens are -inf.
+
+    This is the distribution a request samples from; speculative verification keeps exactly it."""
+    shape = logits.shape
+    flat = logits.astype(jnp.float32).reshape(shape[0], -1, shape[-1])
+    scaled = flat / jnp.maximum(temperature, 1e-6)[:, None, None]
+    ordered = jnp.sort(scaled, axis=-1)[..., ::-1]
+    vocab = shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ordered, jnp.broadcast_to((k - 1)[:, None, None], ordered.shape[:2] + (1,)), axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    # Keep the smallest prefix of sorted tokens whose mass reaches top_p (always at least one).
+    before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.maximum(jnp.sum(before < top_p[:, None, None], axis=-1, keepdims=True) - 1, 0)
+    pth = jnp.take_along_axis(ordered, cutoff, axis=-1)
+    masked = jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+    return masked.reshape(shape)
+
+
+def position_key(seed: jax.Array, position: jax.Array, stream: int = 0) -> jax.Array:
+    """The random key of one (request seed, token position): sampling never depends on batch composition."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), stream)
+
+
 def sample(
     logits: jax.Array,
     temperature: jax.Array,
@@ -14,26 +39,10 @@ def sample(
     seed: jax.Array,
     position: jax.Array,
 ) -> jax.Array:
-    """Next token per row of logits [S, V].
-
-    temperature [S] (0 = greedy), top_k [S] (0 = off), top_p [S] (1 = off), seed [S] and position [S]: the
-    random key of a row depends only on (seed, position), so a request samples the same tokens whatever else
-    shares the batch.
-    """
-    logits = logits.astype(jnp.float32)
+    """Next token per row of logits [S, V]: argmax where temperature is 0, else a draw from `processed_logits`
+    with the key of (seed, position)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    vocab = logits.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    # Keep the smallest prefix of sorted tokens whose mass reaches top_p (always at least one).
-    before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff_idx = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1) - 1, 0)
-    pth = jnp.take_along_axis(ordered, cutoff_idx[:, None], axis=-1)
-    threshold = jnp.maximum(kth, pth)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
+    masked = processed_logits(logits, temperature, top_k, top_p)
+    keys = jax.vmap(position_key)(seed, position)
     drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)

@@ -18,6 +18,7 @@ from strata_jax.api import LoadedModel
 from strata_jax.engine.api import FinishReason, GenerationRequest, RequestTiming, TokenEvent
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.prefix_cache import PrefixCache
+from strata_jax.engine.speculative import NgramDrafter
 from strata_jax.engine.steps import DeviceSteps
 from strata_jax.tokenizer import IncrementalDecoder
 
@@ -43,6 +44,9 @@ class Job:
     admitted: float = 0.0
     first_token: float = 0.0
     sent_first: bool = False
+    consumed: int = 0  # tokens in the slot's cache
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -56,7 +60,7 @@ class Job:
 class Scheduler:
     """Runs the device loop. All public methods are thread-safe."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, steps: DeviceSteps):
+    def __init__(self, model: LoadedModel, config: EngineConfig, steps: DeviceSteps, drafter=None):
         self.model = model
         self.config = config
         self.steps = steps
@@ -65,6 +69,9 @@ class Scheduler:
         c = model.config.indexer_compress_ratio if model.config.qsa else 1
         self.prefix_cache = PrefixCache(config.prefix_cache_mib << 20, kv_block=c)
         self.kv_len = steps.cache.max_len
+        if drafter is None and config.draft == "ngram":
+            drafter = NgramDrafter(k=config.draft_k)
+        self.drafter = drafter
         self._queue: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * config.slots
         self._cancelled: set[str] = set()
@@ -115,6 +122,9 @@ class Scheduler:
                 "decode_steps_total": self.counters["decode_steps"],
                 "prefill_chunks_total": self.counters["prefill_chunks"],
                 "cancelled_total": self.counters["cancelled"],
+                "draft_tokens_total": self.counters["drafted"],
+                "accepted_draft_tokens_total": self.counters["accepted"],
+                "verify_steps_total": self.counters["verify_steps"],
                 "max_decode_stall_seconds": self.max_stall,
             }
 
@@ -170,7 +180,7 @@ class Scheduler:
             snap = self.prefix_cache.lookup(job.prompt)
             if snap is not None:
                 self.steps.write(job.slot, self.prefix_cache.restore(snap, self.kv_len))
-                job.pos = job.cached = len(snap.tokens)
+                job.pos = job.cached = job.consumed = len(snap.tokens)
                 self.counters["cached_tokens"] += job.cached
             else:
                 self.steps.reset(job.slot)
@@ -189,7 +199,7 @@ class Scheduler:
         tokens[0, :n] = job.prompt[job.pos : end]
         rows, ctx = self.model.ple_inputs(job.ple_ctx, tokens, np.array([n]))
         token = self.steps.prefill(job.slot, tokens, n, rows, self._sampling(job))
-        job.pos, job.ple_ctx = end, ctx
+        job.pos, job.ple_ctx, job.consumed = end, ctx, end
         self.counters["prefill_chunks"] += 1
         if end % self.config.snapshot_every == 0:
             self.prefix_cache.insert(job.prompt[:end], self.steps.read(job.slot))
@@ -198,6 +208,11 @@ class Scheduler:
             self._accept(job, token)
 
     def _decode(self, jobs: list[Job]) -> None:
+        if self.drafter is not None:
+            drafts = {job.slot: self._propose(job) for job in jobs}
+            if any(drafts.values()):
+                self._verify(jobs, drafts)
+                return
         s = self.config.slots
         tokens = np.zeros(s, np.int32)
         active = np.zeros(s, bool)
@@ -215,9 +230,50 @@ class Scheduler:
         self.counters["decode_steps"] += 1
         for job in jobs:
             job.ple_ctx = [c[job.slot : job.slot + 1] for c in new_ctx]
+            job.consumed += 1
             self._accept(job, int(out[job.slot]))
         if not any(j is not None and not j.prefilling for j in self._slots):
             self._last_decode = 0.0
+
+    def _propose(self, job: Job) -> list[int]:
+        limit = min(
+            job.request.sampling.max_tokens - len(job.generated) - 1,
+            self.config.max_context - len(job.prompt) - len(job.generated) - 1,
+        )
+        return self.drafter.propose(job.prompt + tuple(job.generated), limit)
+
+    def _verify(self, jobs: list[Job], drafts: dict[int, list[int]]) -> None:
+        """One verify call for every decoding slot (slots without drafts ride along as plain decode)."""
+        s, width = self.config.slots, self.config.draft_k + 1
+        tokens = np.zeros((s, width), np.int32)
+        n_valid = np.zeros(s, np.int32)
+        temperature, top_k, top_p, seed = np.zeros(s), np.zeros(s), np.ones(s), np.zeros(s)
+        for job in jobs:
+            window = [job.last_token] + drafts[job.slot]
+            tokens[job.slot, : len(window)] = window
+            n_valid[job.slot] = len(window)
+            temperature[job.slot], top_k[job.slot], top_p[job.slot], seed[job.slot] = self._sampling(job)
+        contexts = self._stacked_contexts(jobs)
+        rows, _ = self.model.ple_inputs(contexts, tokens, n_valid)
+        now = time.monotonic()
+        if self._last_decode:
+            self.max_stall = max(self.max_stall, now - self._last_decode)
+        n_acc, out = self.steps.verify(tokens, n_valid, rows, (temperature, top_k, top_p, seed))
+        self._last_decode = time.monotonic()
+        self.counters["verify_steps"] += 1
+        keep = np.where(n_valid > 0, n_acc + 1, 0)
+        new_ctx = self.model.ple_next_context(contexts, tokens, keep)
+        for job in jobs:
+            a = int(n_acc[job.slot])
+            job.ple_ctx = [c[job.slot : job.slot + 1] for c in new_ctx]
+            job.consumed += a + 1
+            job.drafted += len(drafts[job.slot])
+            job.accepted += a
+            self.counters["drafted"] += len(drafts[job.slot])
+            self.counters["accepted"] += a
+            for token in out[job.slot, : a + 1]:
+                if self._accept(job, int(token)):
+                    break
 
     def _stacked_contexts(self, jobs: list[Job]) -> list[np.ndarray]:
         empty = self.model.ple_context([])
@@ -227,8 +283,8 @@ class Scheduler:
         return [np.concatenate([ctx[i] for ctx in per_slot]) for i in range(len(empty))]
 
     # -- output --------------------------------------------------------------------------------------------------
-    def _accept(self, job: Job, token: int) -> None:
-        """Handles a newly sampled token: stop checks, text, events."""
+    def _accept(self, job: Job, token: int) -> bool:
+        """Handles a newly sampled token: stop checks, text, events. Returns whether the request finished."""
         sampling = job.request.sampling
         job.generated.append(token)
         job.last_token = token
@@ -257,9 +313,13 @@ class Scheduler:
         )
         if reason is None:
             job.emit(event)
-            return
-        final = dataclasses.replace(event, finish_reason=reason, stop_string=matched, timing=self._timing(job))
+            return False
+        final = dataclasses.replace(
+            event, finish_reason=reason, stop_string=matched, timing=self._timing(job),
+            draft_tokens=job.drafted, accepted_draft_tokens=job.accepted,
+        )
         self._finish(job, reason, snapshot=True, final=final)
+        return True
 
     def _apply_stop_strings(self, job: Job, text: str) -> tuple[str, str | None]:
         pending = job.held + text
@@ -290,10 +350,11 @@ class Scheduler:
 
     def _finish(self, job: Job, reason: FinishReason, snapshot: bool, final: TokenEvent | None = None) -> None:
         """Frees the job's slot (after snapshotting it for the prefix cache), then sends its last event."""
-        if snapshot and job.generated and not job.prefilling:
-            # The state holds the prompt and every generated token but the last (not fed back yet).
-            consumed = job.prompt + tuple(job.generated[:-1])
-            self.prefix_cache.insert(consumed, self.steps.read(job.slot))
+        # The state should hold the prompt and every generated token but the last (not fed back yet); after a
+        # stop inside an accepted draft run it holds more, and then it is not a snapshot of any known prefix.
+        tokens = job.prompt + tuple(job.generated[:-1])
+        if snapshot and job.generated and not job.prefilling and job.consumed == len(tokens):
+            self.prefix_cache.insert(tokens, self.steps.read(job.slot))
         with self._cond:
             if 0 <= job.slot < len(self._slots) and self._slots[job.slot] is job:
                 self._slots[job.slot] = None

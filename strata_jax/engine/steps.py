@@ -21,7 +21,9 @@ from flax import nnx
 from strata_jax.api import LoadedModel
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.sampling import sample
+from strata_jax.engine.speculative import accept
 from strata_jax.model.cache import AttentionCache, ModelCache, init_cache
+from strata_jax.model.decoder import rollback
 
 
 def take_slot(cache: ModelCache, slot: jax.Array) -> ModelCache:
@@ -48,6 +50,17 @@ def _decode(graphdef, state, cache, tokens, active, rows, temperature, top_k, to
     return sample(logits[:, 0], temperature, top_k, top_p, seed, cache.lengths), cache
 
 
+def _verify(graphdef, state, cache, tokens, n_valid, rows, temperature, top_k, top_p, seed):
+    """One verify window for every slot: tokens [S, k+1] = last token + drafts (n_valid[s] = 1 + drafts, 0 for
+    idle slots). Returns (accepted drafts [S], emitted tokens [S, k+1], cache rolled back to what was kept)."""
+    model = nnx.merge(graphdef, state)
+    logits, _, after, replays = model.verify(tokens, cache, n_valid, rows)
+    n_drafts = jnp.maximum(n_valid - 1, 0)
+    n_acc, out = accept(logits, tokens[:, 1:], n_drafts, temperature, top_k, top_p, seed, cache.lengths)
+    n_keep = jnp.where(n_valid > 0, 1 + n_acc, 0)
+    return n_acc, out, rollback(cache, after, replays, n_keep)
+
+
 def _reset(cache: ModelCache, slot):
     """Zeroes a slot's recurrent state and length (stale KV is harmless: positions past the length are masked)."""
 
@@ -69,14 +82,16 @@ def _reset(cache: ModelCache, slot):
 class DeviceSteps:
     """Owns the slot cache and the compiled functions that advance it."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig):
+    def __init__(self, model: LoadedModel, config: EngineConfig, with_verify: bool = False):
         self.model = model
         self.config = config
+        self.with_verify = with_verify
         g = model.graphdef
         dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
         self.cache = init_cache(model.config, config.slots, config.max_context, dtype)
         self._prefill = jax.jit(functools.partial(_prefill, g), donate_argnums=(1,))
         self._decode = jax.jit(functools.partial(_decode, g), donate_argnums=(1,))
+        self._verify = jax.jit(functools.partial(_verify, g), donate_argnums=(1,))
         self._reset = jax.jit(_reset, donate_argnums=(0,))
         self._read = jax.jit(take_slot)
         self._write = jax.jit(put_slot, donate_argnums=(0,))
@@ -106,6 +121,18 @@ class DeviceSteps:
         )
         return np.asarray(out)
 
+    def verify(
+        self, tokens: np.ndarray, n_valid: np.ndarray, rows, sampling: tuple[np.ndarray, ...]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Checks every slot's drafts (tokens [S, k+1], n_valid [S]); returns (accepted counts, tokens [S, k+1])."""
+        temperature, top_k, top_p, seed = sampling
+        n_acc, out, self.cache = self._verify(
+            self.model.state, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32),
+            self._rows(rows), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+            jnp.asarray(top_p, jnp.float32), jnp.asarray(seed, jnp.uint32),
+        )
+        return np.asarray(n_acc), np.asarray(out)
+
     def reset(self, slot: int) -> None:
         self.cache = self._reset(self.cache, jnp.int32(slot))
 
@@ -121,6 +148,8 @@ class DeviceSteps:
         started = time.monotonic()
         s = self.config.slots
         steps = [f"prefill[{c}]" for c in self.config.prefill_chunks] + ["decode", "reset/read/write"]
+        if self.with_verify:
+            steps.append(f"verify[{self.config.draft_k + 1}]")
         zeros_rows = lambda b, t: tuple(np.zeros((b, t, d), np.float32) for d in self.ple_dims)  # noqa: E731
         greedy1 = (0.0, 0, 1.0, 0)
         for i, name in enumerate(steps, 1):
@@ -131,6 +160,9 @@ class DeviceSteps:
             elif name == "decode":
                 z = np.zeros(s)
                 self.decode(np.zeros(s, np.int32), np.zeros(s, bool), zeros_rows(s, 1), (z, z, z + 1, z))
+            elif name.startswith("verify"):
+                z, w = np.zeros(s), self.config.draft_k + 1
+                self.verify(np.zeros((s, w), np.int32), np.zeros(s, np.int32), zeros_rows(s, w), (z, z, z + 1, z))
             else:
                 self.write(0, self.read(0))
                 self.reset(0)

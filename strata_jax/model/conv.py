@@ -24,5 +24,14 @@ def causal_conv(
     for k in range(kernel):
         start = k * dilation
         out = out + w[None, :, k : k + 1] * xs[:, :, start : start + t].astype(jnp.float32)
-    new_state = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, tail, axis=-1))(xs, n_valid)
-    return jnp.swapaxes(out, 1, 2).astype(x.dtype), new_state
+    return jnp.swapaxes(out, 1, 2).astype(x.dtype), _tail_after(xs, n_valid, tail)
+
+
+def _tail_after(xs: jax.Array, n_valid: jax.Array, tail: int) -> jax.Array:
+    return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, tail, axis=-1))(xs, n_valid)
+
+
+def advance_tail(state: jax.Array, x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """The conv state [B, C, L] after feeding the first n_valid[b] rows of x [B, T, C] (no convolution)."""
+    xs = jnp.concatenate([state, jnp.swapaxes(x, 1, 2).astype(state.dtype)], axis=-1)
+    return _tail_after(xs, n_valid, state.shape[-1])

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from strata_jax.config import ExpertQuantization, ModelConfig
 from strata_jax.model.attention import Attention
 from strata_jax.model.cache import LayerCache, ModelCache
-from strata_jax.model.deltanet import GatedDeltaNet
+from strata_jax.model.deltanet import DeltaNetReplay, GatedDeltaNet, replay_deltanet
 from strata_jax.model.hyper import HyperConnection, inject
 from strata_jax.model.layers import MLP, Embedding, Linear, RMSNorm
 from strata_jax.model.moe import SparseMoe
-from strata_jax.model.ple import PleLayer
+from strata_jax.model.ple import PleLayer, replay_ple
 
 
 class DecoderLayer(nnx.Module):
@@ -48,28 +48,54 @@ class DecoderLayer(nnx.Module):
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def _mix(self, x, cache: LayerCache, start, n_valid):
+    def _mix(self, x, cache: LayerCache, start, n_valid, with_replay):
         if self.linear:
-            return self.linear_attn(x, cache.mixer, n_valid)
-        return self.self_attn(x, cache.mixer, start)
+            return self.linear_attn(x, cache.mixer, n_valid, with_replay)
+        out, mixer_cache = self.self_attn(x, cache.mixer, start)
+        return out, mixer_cache, None
 
     def __call__(
-        self, h: jax.Array, cache: LayerCache, start: jax.Array, n_valid: jax.Array, ple_rows: jax.Array | None
-    ) -> tuple[jax.Array, LayerCache]:
+        self,
+        h: jax.Array,
+        cache: LayerCache,
+        start: jax.Array,
+        n_valid: jax.Array,
+        ple_rows: jax.Array | None,
+        with_replay: bool = False,
+    ) -> tuple[jax.Array, LayerCache, LayerReplay | None]:
         ple_cache = cache.ple
+        ple_in = None
         if self.ple is not None:
-            h, ple_cache = self.ple(h, ple_rows, cache.ple, n_valid)
+            h, ple_cache, ple_in = self.ple(h, ple_rows, cache.ple, n_valid)
         if self.cfg.hyper_connections:
             x, w = self.attn_hyper_connection(h)
-            out, mixer_cache = self._mix(x, cache, start, n_valid)
+            out, mixer_cache, replay = self._mix(x, cache, start, n_valid, with_replay)
             h = inject(h, out, w)
             x, w = self.mlp_hyper_connection(h)
             h = inject(h, self.mlp(x), w)
         else:
-            out, mixer_cache = self._mix(self.input_layernorm(h), cache, start, n_valid)
+            out, mixer_cache, replay = self._mix(self.input_layernorm(h), cache, start, n_valid, with_replay)
             h = h + out
             h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, LayerCache(mixer=mixer_cache, ple=ple_cache)
+        layer_replay = LayerReplay(mixer=replay, ple=ple_in) if with_replay else None
+        return h, LayerCache(mixer=mixer_cache, ple=ple_cache), layer_replay
+
+
+@struct.dataclass
+class LayerReplay:
+    mixer: DeltaNetReplay | None
+    ple: jax.Array | None
+
+
+def rollback(before: ModelCache, after: ModelCache, replays: tuple[LayerReplay, ...], n_keep: jax.Array) -> ModelCache:
+    """The cache as if, of the window a verify pass fed, only the first n_keep[b] tokens had been fed: attention
+    keeps its KV (entries past the length are masked), recurrent and conv state are rebuilt from the replay."""
+    layers = []
+    for b, a, r in zip(before.layers, after.layers, replays):
+        mixer = replay_deltanet(b.mixer, r.mixer, n_keep) if r.mixer is not None else a.mixer
+        ple = replay_ple(b.ple, r.ple, n_keep) if r.ple is not None else a.ple
+        layers.append(LayerCache(mixer=mixer, ple=ple))
+    return after.replace(layers=tuple(layers), lengths=before.lengths + n_keep)
 
 
 class TextModel(nnx.Module):
@@ -95,23 +121,29 @@ class TextModel(nnx.Module):
         cache: ModelCache,
         n_valid: jax.Array,
         ple_rows: tuple[jax.Array, ...] = (),
-    ) -> tuple[jax.Array, ModelCache]:
-        """tokens [B, T] (row b's first n_valid[b] are real) -> final hidden [B, T, H] and the advanced cache."""
+        with_replay: bool = False,
+    ) -> tuple[jax.Array, ModelCache] | tuple[jax.Array, ModelCache, tuple[LayerReplay, ...]]:
+        """tokens [B, T] (row b's first n_valid[b] are real) -> final hidden [B, T, H] and the advanced cache
+        (+ per-layer replay inputs with `with_replay`, for `rollback`)."""
         cfg = self.cfg
         h = self.embed_tokens(tokens)
         if cfg.hyper_connections:
             h = jnp.tile(h, (1, 1, cfg.hc_count))
         start = cache.lengths
-        new_layers = []
+        new_layers, replays = [], []
         for i, layer in enumerate(self.layers):
             rows = ple_rows[cfg.ple_layers.index(i)] if i in cfg.ple_layers else None
-            h, layer_cache = layer(h, cache.layers[i], start, n_valid, rows)
+            h, layer_cache, replay = layer(h, cache.layers[i], start, n_valid, rows, with_replay)
             new_layers.append(layer_cache)
+            replays.append(replay)
         if cfg.hyper_connections:
             h, _ = self.hyper_connection_mixer(h)
         else:
             h = self.norm(h)
-        return h, cache.replace(layers=tuple(new_layers), lengths=start + n_valid)
+        new_cache = cache.replace(layers=tuple(new_layers), lengths=start + n_valid)
+        if with_replay:
+            return h, new_cache, tuple(replays)
+        return h, new_cache
 
 
 class Mtp(nnx.Module):
@@ -137,7 +169,7 @@ class Mtp(nnx.Module):
         x = self.fc(x)
         hc = self.cfg.hc_count if self.cfg.hyper_connections else 1
         x = jnp.tile(x, (1, 1, hc))
-        x, cache = self.layers[0](x, cache, start, n_valid, None)
+        x, cache, _ = self.layers[0](x, cache, start, n_valid, None)
         if hc > 1:
             x = jnp.mean(x.reshape(*x.shape[:-1], hc, -1), axis=-2)
         return self.norm(x), cache
@@ -167,6 +199,11 @@ class CausalLM(nnx.Module):
     def __call__(self, tokens, cache, n_valid, ple_rows=()):
         hidden, cache = self.model(tokens, cache, n_valid, ple_rows)
         return self.logits(hidden), hidden, cache
+
+    def verify(self, tokens, cache, n_valid, ple_rows=()):
+        """Like __call__, plus the replay inputs `rollback` needs to keep only an accepted prefix."""
+        hidden, after, replays = self.model(tokens, cache, n_valid, ple_rows, with_replay=True)
+        return self.logits(hidden), hidden, after, replays
 
     def mtp_logits(
         self, next_tokens: jax.Array, hidden: jax.Array, cache: ModelCache, n_valid: jax.Array

@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flax import struct
+
 from strata_jax.config import ModelConfig
 from strata_jax.model.cache import DeltaNetCache
-from strata_jax.model.conv import causal_conv
+from strata_jax.model.conv import advance_tail, causal_conv
 from strata_jax.model.layers import DepthwiseConvWeight, GatedRMSNorm, Linear, silu
 from strata_jax.model.params import empty_param
 
@@ -82,6 +84,40 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return jnp.moveaxis(out, 1, 2), state
 
 
+def _state_only_rule(k, v, g, beta, state):
+    """The recurrence without outputs: the state after the tokens (same arithmetic as the recurrent rule)."""
+
+    def step(s, inputs):
+        k_t, v_t, g_t, b_t = inputs
+        s = s * jnp.exp(g_t)[..., None, None]
+        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
+        return s + k_t[..., :, None] * delta[..., None, :], None
+
+    state, _ = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in (k, v, g, beta)))
+    return state
+
+
+@struct.dataclass
+class DeltaNetReplay:
+    """What a verify pass keeps so the state can be rebuilt for any accepted prefix without re-running the layer:
+    the conv input and the recurrence's per-token k, v, decay and beta."""
+
+    conv_in: jax.Array  # [B, T, conv_dim]
+    k: jax.Array  # [B, T, Hv, Dk] float32, normalised
+    v: jax.Array  # [B, T, Hv, Dv] float32
+    g: jax.Array  # [B, T, Hv]
+    beta: jax.Array  # [B, T, Hv]
+
+
+def replay_deltanet(before: DeltaNetCache, replay: DeltaNetReplay, n_keep: jax.Array) -> DeltaNetCache:
+    """The cache as if only the first `n_keep[b]` tokens of the replayed window had been fed."""
+    t = replay.k.shape[1]
+    keep = (jnp.arange(t)[None, :] < n_keep[:, None])[..., None]
+    state = _state_only_rule(replay.k, replay.v, jnp.where(keep, replay.g, 0.0), jnp.where(keep, replay.beta, 0.0),
+                             before.state)
+    return DeltaNetCache(conv=advance_tail(before.conv, replay.conv_in, n_keep), state=state)
+
+
 class GatedDeltaNet(nnx.Module):
     """Linear-attention token mixer of 3 in 4 layers."""
 
@@ -126,12 +162,13 @@ class GatedDeltaNet(nnx.Module):
         return qkv, z.reshape(bsz, t, hv, dv), b, a
 
     def __call__(
-        self, x: jax.Array, cache: DeltaNetCache, n_valid: jax.Array
-    ) -> tuple[jax.Array, DeltaNetCache]:
+        self, x: jax.Array, cache: DeltaNetCache, n_valid: jax.Array, with_replay: bool = False
+    ) -> tuple[jax.Array, DeltaNetCache, DeltaNetReplay | None]:
+        """Returns the output, the cache after the first n_valid tokens and (with_replay) the replay inputs."""
         cfg = self.cfg
         bsz, t, _ = x.shape
-        qkv, z, b, a = self._project(x)
-        conv_out, conv_state = causal_conv(qkv, cache.conv, self.conv1d.kernel(), n_valid)
+        qkv_in, z, b, a = self._project(x)
+        conv_out, conv_state = causal_conv(qkv_in, cache.conv, self.conv1d.kernel(), n_valid)
         qkv = silu(conv_out.astype(jnp.float32)).astype(x.dtype)
         q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         hk, hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
@@ -154,4 +191,5 @@ class GatedDeltaNet(nnx.Module):
         out, state = rule(q, k, v, g, beta, cache.state)
         out = self.norm(out.astype(x.dtype), z)
         out = self.out_proj(out.reshape(bsz, t, -1))
-        return out, DeltaNetCache(conv=conv_state, state=state)
+        replay = DeltaNetReplay(conv_in=qkv_in, k=k, v=v, g=g, beta=beta) if with_replay else None
+        return out, DeltaNetCache(conv=conv_state, state=state), replay

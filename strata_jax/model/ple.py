@@ -11,7 +11,7 @@ from flax import nnx
 
 from strata_jax.config import ModelConfig
 from strata_jax.model.cache import PleCache
-from strata_jax.model.conv import causal_conv
+from strata_jax.model.conv import advance_tail, causal_conv
 from strata_jax.model.layers import DepthwiseConvWeight, Linear, RMSNorm, silu
 
 
@@ -32,8 +32,9 @@ class PleLayer(nnx.Module):
 
     def __call__(
         self, streams: jax.Array, rows: jax.Array, cache: PleCache, n_valid: jax.Array
-    ) -> tuple[jax.Array, PleCache]:
-        """`rows` [B, T, ple_embed_dim] are the concatenated n-gram embedding rows of each token."""
+    ) -> tuple[jax.Array, PleCache, jax.Array]:
+        """`rows` [B, T, ple_embed_dim] are the concatenated n-gram embedding rows of each token. Also returns the
+        conv input (what a verify pass needs to rebuild the conv state for an accepted prefix)."""
         split = lambda y: y.reshape(*y.shape[:-1], self.hc, self.hidden)  # noqa: E731
         rows = rows.astype(self.key_proj.weight.dtype)
         key = split(self.norm_key(self.key_proj(rows)))
@@ -45,4 +46,9 @@ class PleLayer(nnx.Module):
         conv_in = self.norm_conv(gated)
         conv_out, conv_state = causal_conv(conv_in, cache.conv, self.conv1d.kernel(), n_valid, self.dilation)
         delta = gated + silu(conv_out.astype(jnp.float32)).astype(gated.dtype)
-        return streams + delta, PleCache(conv=conv_state)
+        return streams + delta, PleCache(conv=conv_state), conv_in
+
+
+def replay_ple(before: PleCache, conv_in: jax.Array, n_keep: jax.Array) -> PleCache:
+    """The PLE conv state as if only the first `n_keep[b]` tokens of the window had been fed."""
+    return PleCache(conv=advance_tail(before.conv, conv_in, n_keep))

@@ -1,0 +1,75 @@
+"""Speculative decoding: drafters that guess the next tokens on the host, and the on-device acceptance rule.
+
+Acceptance keeps the target model's output exactly: greedy slots accept the longest prefix of drafts equal to the
+target's argmax, then add the target's own next token; sampling slots accept draft d with probability p(d) (the
+draft is a point guess, q = one-hot) and on rejection draw from p with d removed, which leaves every emitted token
+distributed exactly as p (the request's processed distribution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.engine.sampling import position_key, processed_logits
+
+
+def accept(
+    logits: jax.Array,
+    drafts: jax.Array,
+    n_drafts: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed: jax.Array,
+    start: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """logits [S, T, V] of a verify window (last token + T-1 drafts), drafts [S, T-1], n_drafts [S].
+
+    Returns (accepted drafts per slot [S], tokens [S, T]): tokens[:, :a] are the accepted drafts and tokens[:, a]
+    the target's own next token. Position of window index i is start + i + 1 (for the random keys).
+    """
+    s, t, _ = logits.shape
+    positions = start[:, None] + 1 + jnp.arange(t)[None, :]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, T]
+    masked = processed_logits(logits, temperature, top_k, top_p)
+    probs = jax.nn.softmax(masked, axis=-1)
+    padded = jnp.concatenate([drafts, jnp.zeros((s, 1), drafts.dtype)], axis=1)  # [S, T]
+    keys = jax.vmap(jax.vmap(position_key, in_axes=(None, 0, None)), in_axes=(0, 0, None))
+    u = jax.vmap(jax.vmap(jax.random.uniform))(keys(seed, positions, 1))
+    p_draft = jnp.take_along_axis(probs, padded[..., None], axis=-1)[..., 0]
+    sampled_ok = u < p_draft
+    ok = jnp.where(temperature[:, None] > 0, sampled_ok, padded == greedy)
+    ok = ok & (jnp.arange(t)[None, :] < n_drafts[:, None])
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    # The token after the accepted prefix: on a rejection, p without the rejected draft; after all drafts, p.
+    rejected = jnp.arange(t)[None, :] < n_drafts[:, None]
+    residual = jnp.where(rejected[..., None] & (jnp.arange(logits.shape[-1]) == padded[..., None]), -jnp.inf, masked)
+    drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys(seed, positions, 2), residual).astype(jnp.int32)
+    own = jnp.where(temperature[:, None] > 0, drawn, greedy)
+    idx = jnp.arange(t)[None, :]
+    tokens = jnp.where(idx < n_acc[:, None], padded, jnp.take_along_axis(own, n_acc[:, None], axis=1))
+    return n_acc, tokens
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = max_n down to min_n) in the
+    sequence and propose what followed it. Free, and strong on code edits where text is copied back."""
+
+    def __init__(self, k: int = 4, max_n: int = 3, min_n: int = 1, window: int = 8192):
+        self.k, self.max_n, self.min_n, self.window = k, max_n, min_n, window
+
+    def propose(self, history: Sequence[int], limit: int) -> list[int]:
+        """Up to min(k, limit) guessed next tokens for the sequence `history`."""
+        limit = min(self.k, limit)
+        if limit <= 0 or len(history) < 2:
+            return []
+        hist = list(history[-self.window :])
+        for n in range(min(self.max_n, len(hist) - 1), self.min_n - 1, -1):
+            tail = hist[-n:]
+            for start in range(len(hist) - n - 1, -1, -1):
+                if hist[start : start + n] == tail:
+                    return hist[start + n : start + n + limit]
+        return []

@@ -1,0 +1,131 @@
+"""Speculative decoding: the acceptance rule keeps the target distribution, greedy output with speculation equals
+output without, for the n-gram drafter and for an (oracle) drafter that is often right, with 1 and several slots."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import strata_jax
+from conftest import FIXTURES
+from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from strata_jax.engine.speculative import NgramDrafter, accept
+
+
+def _accept_many(logits, drafts, n_drafts, temperature, seeds):
+    """accept() for one slot under many seeds (vectorised over the seed)."""
+    s = len(seeds)
+    tile = lambda x: jnp.broadcast_to(x, (s,) + x.shape[1:])  # noqa: E731
+    return jax.jit(accept)(
+        tile(logits), tile(drafts), tile(n_drafts), jnp.full((s,), temperature, jnp.float32),
+        jnp.zeros((s,), jnp.int32), jnp.ones((s,), jnp.float32), jnp.asarray(seeds, jnp.uint32),
+        jnp.zeros((s,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("draft", [0, 3])  # a likely and an unlikely guess
+def test_sampled_acceptance_keeps_the_target_distribution(draft):
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(1, 3, 5)) * 1.5, jnp.float32)
+    p = np.asarray(jax.nn.softmax(logits[0], axis=-1))
+    n = 40000
+    n_acc, tokens = _accept_many(logits, jnp.asarray([[draft, 1]]), jnp.asarray([2]), 1.0, np.arange(n))
+    n_acc, tokens = np.asarray(n_acc), np.asarray(tokens)
+    first = np.bincount(tokens[:, 0], minlength=5) / n
+    assert np.max(np.abs(first - p[0])) < 0.012
+    # Given the first draft was accepted, the second emitted token follows the target's next distribution.
+    second = tokens[n_acc >= 1, 1]
+    assert np.max(np.abs(np.bincount(second, minlength=5) / len(second) - p[1])) < 0.02
+    assert abs(np.mean(n_acc >= 1) - p[0, draft]) < 0.012
+
+
+def test_greedy_acceptance_is_the_longest_matching_prefix():
+    logits = jax.nn.one_hot(jnp.asarray([[2, 4, 1, 0]]), 5) * 5.0
+    n_acc, tokens = _accept_many(logits, jnp.asarray([[2, 4, 3]]), jnp.asarray([3]), 0.0, [0])
+    assert int(n_acc[0]) == 2 and list(np.asarray(tokens[0, :3])) == [2, 4, 1]
+    n_acc, tokens = _accept_many(logits, jnp.asarray([[2, 4, 3]]), jnp.asarray([1]), 0.0, [0])
+    assert int(n_acc[0]) == 1 and list(np.asarray(tokens[0, :2])) == [2, 4]
+
+
+def test_ngram_drafter_continues_the_latest_match():
+    d = NgramDrafter(k=3)
+    assert d.propose([5, 6, 7, 8, 1, 5, 6, 7], 10) == [8, 1, 5]
+    assert d.propose([5, 6, 7, 8, 1, 5, 6, 7], 2) == [8, 1]
+    assert d.propose([1, 2, 3], 4) == []
+    assert d.propose([9, 1, 2, 9, 3, 9], 4) == [3, 9]  # longest n first, then the latest occurrence
+
+
+@pytest.fixture(scope="module")
+def model():
+    return strata_jax.load_model(FIXTURES / "ckpt" / "qwen4_exp_causal")
+
+
+class OracleDrafter:
+    """Guesses the true greedy continuation, but gets every second guess's third token wrong."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], k: int):
+        self.answers, self.k, self.calls = answers, k, 0
+
+    def propose(self, history, limit):
+        self.calls += 1
+        for prompt, answer in self.answers.items():
+            if tuple(history[: len(prompt)]) == prompt:
+                done = len(history) - len(prompt)
+                guess = list(answer[done : done + min(self.k, limit)])
+                if self.calls % 2 == 0 and len(guess) > 2:
+                    guess[2] = (guess[2] + 1) % 500
+                return guess
+        return []
+
+
+def _run(engine, prompts, max_tokens, **sampling):
+    async def one(p):
+        stream = await engine.submit(GenerationRequest(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                          **sampling)))
+        return [ev async for ev in stream]
+
+    async def all_():
+        return await asyncio.gather(*[one(p) for p in prompts])
+
+    return asyncio.run(all_())
+
+
+def _check_equal(model, prompts, cfg, drafter, max_tokens=12):
+    want = {p: model.generate(list(p), max_tokens, stop_at_eos=False) for p in prompts}
+    if isinstance(drafter, type):
+        drafter = drafter(want, k=cfg.draft_k)
+    eng = Engine(model, cfg, drafter=drafter)
+    eng.start()
+    try:
+        results = _run(eng, prompts, max_tokens)
+        for p, events in zip(prompts, results):
+            assert [e.token_id for e in events] == want[p]
+        stats = eng.stats()
+        assert stats["verify_steps_total"] > 0
+        assert sum(ev[-1].draft_tokens for ev in results) == stats["draft_tokens_total"] > 0
+        assert sum(ev[-1].accepted_draft_tokens for ev in results) == stats["accepted_draft_tokens_total"]
+        return stats
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_greedy_output_with_an_often_right_drafter_equals_without(model, slots):
+    rng = np.random.default_rng(slots)
+    prompts = [tuple(int(x) for x in rng.integers(0, 500, n)) for n in (27, 23, 11, 40)][: slots + 1]
+    cfg = EngineConfig(slots=slots, max_context=96, prefill_chunks=(8, 32), prefix_cache_mib=0)
+    stats = _check_equal(model, prompts, cfg, OracleDrafter)
+    assert 0 < stats["accepted_draft_tokens_total"] < stats["draft_tokens_total"]  # accepts and rejections
+
+
+def test_greedy_output_with_ngram_drafts_equals_without(model):
+    # Every token id appears in the prompts, so the 1-gram lookup drafts at every step (and is mostly wrong on a
+    # random model): many verify windows, many rollbacks, rows of different lengths.
+    perm = np.random.default_rng(5).permutation(500)
+    prompts = [tuple(int(x) for x in perm[:120]), tuple(int(x) for x in perm[120:])[:130], tuple(range(60))]
+    cfg = EngineConfig(slots=2, max_context=160, prefill_chunks=(16, 64), prefix_cache_mib=0, draft="ngram")
+    _check_equal(model, prompts, cfg, None, max_tokens=10)
