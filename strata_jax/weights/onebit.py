@@ -36,7 +36,7 @@ BF16 = ml_dtypes.bfloat16
 WORD_BITS = 32
 # Default alternating-refit rounds per plane count (measured, checkpoints/README.md): 1 plane has
 # nothing to refit; for 2-4 planes 8 rounds cut the relative error by 6-16% (Gaussian) and 15-34%
-# (heavy-tailed) over greedy residual fitting, at ~3-5x the greedy quantization time.
+# (heavy-tailed) over greedy residual fitting, at ~7x the greedy quantization time.
 DEFAULT_REFIT_ROUNDS = {1: 0, 2: 8, 3: 8, 4: 8}
 
 
