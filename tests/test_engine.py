@@ -172,3 +172,23 @@ def test_bf16_cache_on_a_float32_model(model):
         assert _tokens(events)[0] == greedy[0]
     finally:
         eng.shutdown()
+
+
+def test_a_failing_step_fails_running_requests_and_the_engine_recovers(engine, model, monkeypatch):
+    steps = engine._steps
+    real = steps.decode
+    calls = {"n": 0}
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            steps.cache = None  # as if the donated buffers were consumed by a failed call
+            raise RuntimeError("injected device failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "decode", broken)
+    events = asyncio.run(_collect(engine, _prompt(30, 9), max_tokens=6))
+    assert events[-1].finish_reason == "error" and "injected" in events[-1].error
+    monkeypatch.setattr(steps, "decode", real)
+    p = _prompt(31, 9)
+    assert _tokens(asyncio.run(_collect(engine, p))) == model.generate(list(p), 8, stop_at_eos=False)

@@ -70,9 +70,18 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(31)
+        request_id = request.request_id
+
+        def emit(event: TokenEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the caller's event loop is gone: nobody is listening any more
+                if event.finish_reason is None:
+                    self.cancel(request_id)
+
         job = Job(
             request=request,
-            emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+            emit=emit,
             seed=int(seed) & 0x7FFFFFFF,
             submitted=time.monotonic(),
         )

@@ -361,7 +361,11 @@ class Scheduler:
         job.emit(final or TokenEvent(None, finish_reason=reason, completion_tokens=len(job.generated)))
 
     def _fail_all(self, message: str) -> None:
+        """Fails the running requests (queued ones wait) and rebuilds the slot cache, whose buffers a failed
+        donated call may have consumed."""
         for job in [j for j in self._slots if j is not None]:
             job.emit(TokenEvent(None, finish_reason="error", error=message))
             with self._cond:
                 self._slots[job.slot] = None
+        self.steps.recover()
+        self._last_decode = 0.0

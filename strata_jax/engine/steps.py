@@ -87,8 +87,8 @@ class DeviceSteps:
         self.config = config
         self.with_verify = with_verify
         g = model.graphdef
-        dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
-        self.cache = init_cache(model.config, config.slots, config.max_context, dtype)
+        self._cache_dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
+        self.cache = init_cache(model.config, config.slots, config.max_context, self._cache_dtype)
         self._prefill = jax.jit(functools.partial(_prefill, g), donate_argnums=(1,))
         self._decode = jax.jit(functools.partial(_decode, g), donate_argnums=(1,))
         self._verify = jax.jit(functools.partial(_verify, g), donate_argnums=(1,))
@@ -132,6 +132,10 @@ class DeviceSteps:
             jnp.asarray(top_p, jnp.float32), jnp.asarray(seed, jnp.uint32),
         )
         return np.asarray(n_acc), np.asarray(out)
+
+    def recover(self) -> None:
+        """A fresh, zeroed slot cache (after a failed step); every slot must be reset before reuse anyway."""
+        self.cache = init_cache(self.model.config, self.config.slots, self.config.max_context, self._cache_dtype)
 
     def reset(self, slot: int) -> None:
         self.cache = self._reset(self.cache, jnp.int32(slot))
