@@ -129,3 +129,38 @@ def test_greedy_output_with_ngram_drafts_equals_without(model):
     prompts = [tuple(int(x) for x in perm[:120]), tuple(int(x) for x in perm[120:])[:130], tuple(range(60))]
     cfg = EngineConfig(slots=2, max_context=160, prefill_chunks=(16, 64), prefix_cache_mib=0, draft="ngram")
     _check_equal(model, prompts, cfg, None, max_tokens=10)
+
+
+@pytest.mark.parametrize("name", ["qwen4_exp_causal", "qwen3_next"])
+def test_mtp_drafting_is_exact_and_drafts_match_the_mtp_head(name):
+    model = strata_jax.load_model(FIXTURES / "ckpt" / name)
+    rng = np.random.default_rng(9)
+    prompts = [tuple(int(x) for x in rng.integers(0, 500, n)) for n in (21, 9, 40)]
+    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(8, 32), prefix_cache_mib=0, draft="mtp", draft_k=3)
+    eng = Engine(model, cfg)
+    seen = []
+    real_prefill = eng._steps.prefill
+
+    def spy(*args, **kwargs):
+        token, drafts = real_prefill(*args, **kwargs)
+        seen.append((token, list(drafts)))
+        return token, drafts
+
+    eng._steps.prefill = spy
+    eng.start()
+    try:
+        results = _run(eng, prompts, 10)
+    finally:
+        eng.shutdown()
+    for p, events in zip(prompts, results):
+        assert [e.token_id for e in events] == model.generate(list(p), 10, stop_at_eos=False)
+    assert eng.stats()["verify_steps_total"] > 0
+    # The first MTP guess after a prompt, recomputed through the plain API: MTP(hidden of each prompt token,
+    # the token after it), read at the last prompt token.
+    p = prompts[0]
+    seqs = model.start(1, 64)
+    logits, hidden, seqs = model.step(seqs, np.asarray([p]))
+    first = int(np.argmax(logits[0, -1]))
+    mtp_logits, _ = model.mtp_step(seqs, np.asarray([p[1:] + (first,)]), hidden)
+    final = [s for s in seen if s[0] == first]
+    assert final and final[0][1][0] == int(np.argmax(mtp_logits[0, -1]))

@@ -12,7 +12,8 @@ class EngineConfig:
     bounds how long a prefill chunk stalls running streams), smaller ones serve short remainders.
     prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it).
     snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
-    draft: speculative drafter for every slot: "none" or "ngram" (prompt lookup); draft_k: tokens guessed per step.
+    draft: speculative drafter for every slot: "none", "ngram" (prompt lookup) or "mtp" (the checkpoint's own MTP
+    head, chained draft_k times inside each step); draft_k: tokens guessed per step.
     cache_dtype: dtype of KV and conv caches ("bfloat16" / "float32"; None = the model's dtype). Gated DeltaNet
     recurrent state is always float32.
     """
@@ -33,8 +34,8 @@ class EngineConfig:
             raise ValueError("max_context must be >= 2")
         if self.cache_dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
-        if self.draft not in ("none", "ngram"):
-            raise ValueError(f"draft must be 'none' or 'ngram', got {self.draft!r}")
+        if self.draft not in ("none", "ngram", "mtp"):
+            raise ValueError(f"draft must be 'none', 'ngram' or 'mtp', got {self.draft!r}")
         if not 1 <= self.draft_k <= 15:
             raise ValueError(f"draft_k must be in 1..15, got {self.draft_k}")
         if not self.prefill_chunks or min(self.prefill_chunks) < 1:

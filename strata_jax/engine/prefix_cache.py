@@ -26,7 +26,10 @@ def _map_kv(cache: ModelCache, fn) -> ModelCache:
         if isinstance(mixer, AttentionCache):
             mixer = jax.tree_util.tree_map(fn, mixer)
         layers.append(layer.replace(mixer=mixer))
-    return cache.replace(layers=tuple(layers))
+    cache = cache.replace(layers=tuple(layers))
+    if cache.mtp is not None:
+        cache = cache.replace(mtp=cache.mtp.replace(mixer=jax.tree_util.tree_map(fn, cache.mtp.mixer)))
+    return cache
 
 
 @dataclasses.dataclass

@@ -45,6 +45,7 @@ class Job:
     first_token: float = 0.0
     sent_first: bool = False
     consumed: int = 0  # tokens in the slot's cache
+    device_drafts: list[int] = dataclasses.field(default_factory=list)  # MTP guesses from the last step
     drafted: int = 0
     accepted: int = 0
 
@@ -198,7 +199,9 @@ class Scheduler:
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = job.prompt[job.pos : end]
         rows, ctx = self.model.ple_inputs(job.ple_ctx, tokens, np.array([n]))
-        token = self.steps.prefill(job.slot, tokens, n, rows, self._sampling(job))
+        following = job.prompt[end] if end < len(job.prompt) else -1
+        token, drafts = self.steps.prefill(job.slot, tokens, n, following, rows, self._sampling(job))
+        job.device_drafts = [int(t) for t in drafts]
         job.pos, job.ple_ctx, job.consumed = end, ctx, end
         self.counters["prefill_chunks"] += 1
         if end % self.config.snapshot_every == 0:
@@ -208,7 +211,7 @@ class Scheduler:
             self._accept(job, token)
 
     def _decode(self, jobs: list[Job]) -> None:
-        if self.drafter is not None:
+        if self.drafter is not None or self.config.draft == "mtp":
             drafts = {job.slot: self._propose(job) for job in jobs}
             if any(drafts.values()):
                 self._verify(jobs, drafts)
@@ -225,12 +228,13 @@ class Scheduler:
         now = time.monotonic()
         if self._last_decode:
             self.max_stall = max(self.max_stall, now - self._last_decode)
-        out = self.steps.decode(tokens, active, rows, (temperature, top_k, top_p, seed))
+        out, drafts = self.steps.decode(tokens, active, rows, (temperature, top_k, top_p, seed))
         self._last_decode = time.monotonic()
         self.counters["decode_steps"] += 1
         for job in jobs:
             job.ple_ctx = [c[job.slot : job.slot + 1] for c in new_ctx]
             job.consumed += 1
+            job.device_drafts = [int(t) for t in drafts[job.slot]]
             self._accept(job, int(out[job.slot]))
         if not any(j is not None and not j.prefilling for j in self._slots):
             self._last_decode = 0.0
@@ -240,6 +244,8 @@ class Scheduler:
             job.request.sampling.max_tokens - len(job.generated) - 1,
             self.config.max_context - len(job.prompt) - len(job.generated) - 1,
         )
+        if self.drafter is None:  # MTP: the guesses came back with the last step
+            return job.device_drafts[: max(limit, 0)]
         return self.drafter.propose(job.prompt + tuple(job.generated), limit)
 
     def _verify(self, jobs: list[Job], drafts: dict[int, list[int]]) -> None:
@@ -258,7 +264,7 @@ class Scheduler:
         now = time.monotonic()
         if self._last_decode:
             self.max_stall = max(self.max_stall, now - self._last_decode)
-        n_acc, out = self.steps.verify(tokens, n_valid, rows, (temperature, top_k, top_p, seed))
+        n_acc, out, next_drafts = self.steps.verify(tokens, n_valid, rows, (temperature, top_k, top_p, seed))
         self._last_decode = time.monotonic()
         self.counters["verify_steps"] += 1
         keep = np.where(n_valid > 0, n_acc + 1, 0)
@@ -267,6 +273,7 @@ class Scheduler:
             a = int(n_acc[job.slot])
             job.ple_ctx = [c[job.slot : job.slot + 1] for c in new_ctx]
             job.consumed += a + 1
+            job.device_drafts = [int(t) for t in next_drafts[job.slot]]
             job.drafted += len(drafts[job.slot])
             job.accepted += a
             self.counters["drafted"] += len(drafts[job.slot])

@@ -34,31 +34,54 @@ def put_slot(cache: ModelCache, slot: jax.Array, sub: ModelCache) -> ModelCache:
     return jax.tree_util.tree_map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=0), cache, sub)
 
 
-def _prefill(graphdef, state, cache, slot, tokens, n_valid, rows, temperature, top_k, top_p, seed):
+def _no_drafts(batch: int) -> jax.Array:
+    return jnp.zeros((batch, 0), jnp.int32)
+
+
+def _prefill(mtp_k, graphdef, state, cache, slot, tokens, n_valid, next_token, rows, temperature, top_k, top_p, seed):
+    """One prompt chunk of one slot. `next_token` is the prompt token after the chunk (-1 after the last chunk:
+    then the sampled token follows). With MTP drafting (mtp_k > 0) the chunk's pairs enter the MTP cache and the
+    returned drafts guess the tokens after the sampled one."""
     model = nnx.merge(graphdef, state)
     sub = take_slot(cache, slot)
-    logits, _, sub = model(tokens, sub, n_valid, rows)
+    logits, hidden, sub = model(tokens, sub, n_valid, rows)
     last = jax.lax.dynamic_index_in_dim(logits[0], n_valid[0] - 1, axis=0, keepdims=True)
     token = sample(last, temperature, top_k, top_p, seed, sub.lengths)
-    return token[0], put_slot(cache, slot, sub)
+    drafts = _no_drafts(1)
+    if mtp_k:
+        follow = jnp.where(next_token[0] >= 0, next_token[0], token[0])
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((1, 1), tokens.dtype)], axis=1)
+        nxt = jnp.where(jnp.arange(tokens.shape[1])[None] == n_valid[0] - 1, follow, shifted)
+        drafts, sub = model.mtp_drafts(hidden, nxt, sub, n_valid, mtp_k)
+    return token[0], drafts[0], put_slot(cache, slot, sub)
 
 
-def _decode(graphdef, state, cache, tokens, active, rows, temperature, top_k, top_p, seed):
+def _decode(mtp_k, graphdef, state, cache, tokens, active, rows, temperature, top_k, top_p, seed):
     model = nnx.merge(graphdef, state)
     n_valid = active.astype(jnp.int32)
-    logits, _, cache = model(tokens[:, None], cache, n_valid, rows)
-    return sample(logits[:, 0], temperature, top_k, top_p, seed, cache.lengths), cache
+    logits, hidden, cache = model(tokens[:, None], cache, n_valid, rows)
+    out = sample(logits[:, 0], temperature, top_k, top_p, seed, cache.lengths)
+    drafts = _no_drafts(tokens.shape[0])
+    if mtp_k:
+        drafts, cache = model.mtp_drafts(hidden, out[:, None], cache, n_valid, mtp_k)
+    return out, drafts, cache
 
 
-def _verify(graphdef, state, cache, tokens, n_valid, rows, temperature, top_k, top_p, seed):
+def _verify(mtp_k, graphdef, state, cache, tokens, n_valid, rows, temperature, top_k, top_p, seed):
     """One verify window for every slot: tokens [S, k+1] = last token + drafts (n_valid[s] = 1 + drafts, 0 for
-    idle slots). Returns (accepted drafts [S], emitted tokens [S, k+1], cache rolled back to what was kept)."""
+    idle slots). Returns (accepted drafts [S], emitted tokens [S, k+1], next drafts [S, mtp_k], cache rolled back
+    to what was kept)."""
     model = nnx.merge(graphdef, state)
-    logits, _, after, replays = model.verify(tokens, cache, n_valid, rows)
+    logits, hidden, after, replays = model.verify(tokens, cache, n_valid, rows)
     n_drafts = jnp.maximum(n_valid - 1, 0)
     n_acc, out = accept(logits, tokens[:, 1:], n_drafts, temperature, top_k, top_p, seed, cache.lengths)
     n_keep = jnp.where(n_valid > 0, 1 + n_acc, 0)
-    return n_acc, out, rollback(cache, after, replays, n_keep)
+    cache = rollback(cache, after, replays, n_keep)
+    drafts = _no_drafts(tokens.shape[0])
+    if mtp_k:
+        # The kept positions' hidden states paired with the tokens that followed them: accepted drafts + bonus.
+        drafts, cache = model.mtp_drafts(hidden, out, cache, n_keep, mtp_k)
+    return n_acc, out, drafts, cache
 
 
 def _reset(cache: ModelCache, slot):
@@ -76,7 +99,10 @@ def _reset(cache: ModelCache, slot):
             mixer = jax.tree_util.tree_map(functools.partial(zero, mixer), mixer)
         ple = None if layer.ple is None else jax.tree_util.tree_map(functools.partial(zero, layer.ple), layer.ple)
         layers.append(layer.replace(mixer=mixer, ple=ple))
-    return cache.replace(layers=tuple(layers), lengths=cache.lengths.at[slot].set(0))
+    cache = cache.replace(layers=tuple(layers), lengths=cache.lengths.at[slot].set(0))
+    if cache.mtp_lengths is not None:
+        cache = cache.replace(mtp_lengths=cache.mtp_lengths.at[slot].set(0))
+    return cache
 
 
 class DeviceSteps:
@@ -85,13 +111,16 @@ class DeviceSteps:
     def __init__(self, model: LoadedModel, config: EngineConfig, with_verify: bool = False):
         self.model = model
         self.config = config
-        self.with_verify = with_verify
+        self.with_verify = with_verify or config.draft != "none"
         g = model.graphdef
         self._cache_dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
-        self.cache = init_cache(model.config, config.slots, config.max_context, self._cache_dtype)
-        self._prefill = jax.jit(functools.partial(_prefill, g), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(_decode, g), donate_argnums=(1,))
-        self._verify = jax.jit(functools.partial(_verify, g), donate_argnums=(1,))
+        self.mtp_k = config.draft_k if config.draft == "mtp" else 0
+        if self.mtp_k and not model.has_mtp:
+            raise ValueError("draft='mtp' needs a checkpoint with MTP weights (mtp.*)")
+        self.cache = self._new_cache()
+        self._prefill = jax.jit(functools.partial(_prefill, self.mtp_k, g), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(_decode, self.mtp_k, g), donate_argnums=(1,))
+        self._verify = jax.jit(functools.partial(_verify, self.mtp_k, g), donate_argnums=(1,))
         self._reset = jax.jit(_reset, donate_argnums=(0,))
         self._read = jax.jit(take_slot)
         self._write = jax.jit(put_slot, donate_argnums=(0,))
@@ -100,42 +129,52 @@ class DeviceSteps:
     def _rows(self, rows: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
         return tuple(jnp.asarray(r, self.model.dtype) for r in rows)
 
-    def prefill(self, slot: int, tokens: np.ndarray, n_valid: int, rows, sampling: tuple) -> int:
-        """Runs one prompt chunk (tokens [1, C]) of `slot`; returns the token sampled after its last real one."""
+    def prefill(
+        self, slot: int, tokens: np.ndarray, n_valid: int, next_token: int, rows, sampling: tuple
+    ) -> tuple[int, np.ndarray]:
+        """Runs one prompt chunk (tokens [1, C]) of `slot`; returns the token sampled after its last real one and,
+        with MTP drafting, the drafts that follow it. `next_token`: the prompt token after the chunk, or -1."""
         temperature, top_k, top_p, seed = sampling
-        token, self.cache = self._prefill(
+        token, drafts, self.cache = self._prefill(
             self.model.state, self.cache, jnp.int32(slot), jnp.asarray(tokens, jnp.int32),
-            jnp.asarray([n_valid], jnp.int32), self._rows(rows),
+            jnp.asarray([n_valid], jnp.int32), jnp.asarray([next_token], jnp.int32), self._rows(rows),
             jnp.asarray([temperature], jnp.float32), jnp.asarray([top_k], jnp.int32),
             jnp.asarray([top_p], jnp.float32), jnp.asarray([seed], jnp.uint32),
         )
-        return int(token)
+        return int(token), np.asarray(drafts)
 
-    def decode(self, tokens: np.ndarray, active: np.ndarray, rows, sampling: tuple[np.ndarray, ...]) -> np.ndarray:
-        """One token for every slot (tokens/active [S]); returns the sampled tokens [S]."""
+    def decode(
+        self, tokens: np.ndarray, active: np.ndarray, rows, sampling: tuple[np.ndarray, ...]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One token for every slot (tokens/active [S]); returns the sampled tokens [S] and MTP drafts [S, k]."""
         temperature, top_k, top_p, seed = sampling
-        out, self.cache = self._decode(
+        out, drafts, self.cache = self._decode(
             self.model.state, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(active),
             self._rows(rows), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
             jnp.asarray(top_p, jnp.float32), jnp.asarray(seed, jnp.uint32),
         )
-        return np.asarray(out)
+        return np.asarray(out), np.asarray(drafts)
 
     def verify(
         self, tokens: np.ndarray, n_valid: np.ndarray, rows, sampling: tuple[np.ndarray, ...]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Checks every slot's drafts (tokens [S, k+1], n_valid [S]); returns (accepted counts, tokens [S, k+1])."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Checks every slot's drafts (tokens [S, k+1], n_valid [S]); returns (accepted counts, tokens [S, k+1],
+        MTP drafts for the next step [S, k])."""
         temperature, top_k, top_p, seed = sampling
-        n_acc, out, self.cache = self._verify(
+        n_acc, out, drafts, self.cache = self._verify(
             self.model.state, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32),
             self._rows(rows), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
             jnp.asarray(top_p, jnp.float32), jnp.asarray(seed, jnp.uint32),
         )
-        return np.asarray(n_acc), np.asarray(out)
+        return np.asarray(n_acc), np.asarray(out), np.asarray(drafts)
+
+    def _new_cache(self) -> ModelCache:
+        return init_cache(self.model.config, self.config.slots, self.config.max_context, self._cache_dtype,
+                          with_mtp=bool(self.mtp_k))
 
     def recover(self) -> None:
         """A fresh, zeroed slot cache (after a failed step); every slot must be reset before reuse anyway."""
-        self.cache = init_cache(self.model.config, self.config.slots, self.config.max_context, self._cache_dtype)
+        self.cache = self._new_cache()
 
     def reset(self, slot: int) -> None:
         self.cache = self._reset(self.cache, jnp.int32(slot))
@@ -160,7 +199,7 @@ class DeviceSteps:
             print(f"warm-up: compiling {name} ({i}/{len(steps)})", file=sys.stderr, flush=True)
             if name.startswith("prefill"):
                 c = self.config.prefill_chunks[i - 1]
-                self.prefill(0, np.zeros((1, c), np.int32), 1, zeros_rows(1, c), greedy1)
+                self.prefill(0, np.zeros((1, c), np.int32), 1, -1, zeros_rows(1, c), greedy1)
             elif name == "decode":
                 z = np.zeros(s)
                 self.decode(np.zeros(s, np.int32), np.zeros(s, bool), zeros_rows(s, 1), (z, z, z + 1, z))

@@ -205,13 +205,40 @@ class CausalLM(nnx.Module):
         hidden, after, replays = self.model(tokens, cache, n_valid, ple_rows, with_replay=True)
         return self.logits(hidden), hidden, after, replays
 
-    def mtp_logits(
+    def mtp_forward(
         self, next_tokens: jax.Array, hidden: jax.Array, cache: ModelCache, n_valid: jax.Array
-    ) -> tuple[jax.Array, ModelCache]:
-        """MTP logits [B, T, V] for positions whose main-model hidden states are `hidden` [B, T, H] and whose
-        following tokens are `next_tokens` [B, T]. Uses and advances `cache.mtp` (positions from `mtp_lengths`)."""
+    ) -> tuple[jax.Array, jax.Array, ModelCache]:
+        """MTP logits [B, T, V] (and the MTP's own output hidden, for chaining) for positions whose main-model
+        hidden states are `hidden` [B, T, H] and whose following tokens are `next_tokens` [B, T]. Uses and advances
+        `cache.mtp`: MTP position m holds the pair (hidden of token m, token m+1)."""
         if self.mtp is None:
             raise ValueError("this checkpoint has no MTP weights")
         embeds = self.model.embed_tokens(next_tokens)
         out, mtp_cache = self.mtp(embeds, hidden, cache.mtp, cache.mtp_lengths, n_valid)
-        return self.logits(out), cache.replace(mtp=mtp_cache, mtp_lengths=cache.mtp_lengths + n_valid)
+        return self.logits(out), out, cache.replace(mtp=mtp_cache, mtp_lengths=cache.mtp_lengths + n_valid)
+
+    def mtp_logits(
+        self, next_tokens: jax.Array, hidden: jax.Array, cache: ModelCache, n_valid: jax.Array
+    ) -> tuple[jax.Array, ModelCache]:
+        """`mtp_forward` without the MTP hidden."""
+        logits, _, cache = self.mtp_forward(next_tokens, hidden, cache, n_valid)
+        return logits, cache
+
+    def mtp_drafts(
+        self, hidden: jax.Array, next_tokens: jax.Array, cache: ModelCache, n_valid: jax.Array, k: int
+    ) -> tuple[jax.Array, ModelCache]:
+        """Enters the pairs of a step the main model just ran (hidden [B, T, H] of its first n_valid[b] tokens and
+        the tokens that followed each) into the MTP cache, then chains the MTP head k times from the last pair:
+        returns k greedy guesses [B, k] of the tokens after next_tokens[n_valid-1]. The chained pairs are not kept
+        (their cache entries lie past `mtp_lengths`)."""
+        logits, out, cache = self.mtp_forward(next_tokens, hidden, cache, n_valid)
+        caught_up = cache.mtp_lengths
+        last = jnp.maximum(n_valid - 1, 0)[:, None, None]
+        guess = jnp.argmax(jnp.take_along_axis(logits, last, axis=1)[:, 0], axis=-1).astype(jnp.int32)
+        h = jnp.take_along_axis(out, last, axis=1)
+        drafts = [guess]
+        one = (n_valid > 0).astype(jnp.int32)
+        for _ in range(k - 1):
+            logits, h, cache = self.mtp_forward(drafts[-1][:, None], h, cache, one)
+            drafts.append(jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
+        return jnp.stack(drafts, axis=1), cache.replace(mtp_lengths=caught_up)
