@@ -164,3 +164,20 @@ def test_mtp_drafting_is_exact_and_drafts_match_the_mtp_head(name):
     mtp_logits, _ = model.mtp_step(seqs, np.asarray([p[1:] + (first,)]), hidden)
     final = [s for s in seen if s[0] == first]
     assert final and final[0][1][0] == int(np.argmax(mtp_logits[0, -1]))
+
+
+def test_draft_model_drafting_is_exact():
+    from strata_jax.engine.draft_model import DraftModelDrafter
+
+    target = strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next")
+    rng = np.random.default_rng(4)
+    prompts = [tuple(int(x) for x in rng.integers(0, 500, n)) for n in (30, 7, 45)]
+    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(8, 32), prefix_cache_mib=0, draft_k=3)
+    # The target as its own draft model: every draft is right, so whole windows are accepted.
+    drafter = DraftModelDrafter(strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next"), cfg, target.config.vocab_size)
+    stats = _check_equal(target, prompts, cfg, drafter, max_tokens=10)
+    assert stats["accepted_draft_tokens_total"] == stats["draft_tokens_total"]
+    # A different model as the drafter: mostly wrong, still exact.
+    other = DraftModelDrafter(strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next", dtype="bfloat16"), cfg,
+                              target.config.vocab_size)
+    _check_equal(target, prompts, cfg, other, max_tokens=10)

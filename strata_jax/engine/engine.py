@@ -35,6 +35,7 @@ class Engine:
             file=sys.stderr,
             flush=True,
         )
+        self._drafter = drafter
         self._scheduler = Scheduler(model, self.config, self._steps, drafter)
         self.compile_seconds = 0.0
         self._started = False
@@ -44,6 +45,8 @@ class Engine:
         if self._started:
             return
         self.compile_seconds = self._steps.warm_up()
+        if hasattr(self._drafter, "warm_up"):
+            self._drafter.warm_up()
         self._scheduler.start()
         self._started = True
 

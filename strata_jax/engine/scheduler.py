@@ -211,7 +211,14 @@ class Scheduler:
             self._accept(job, token)
 
     def _decode(self, jobs: list[Job]) -> None:
-        if self.drafter is not None or self.config.draft == "mtp":
+        if hasattr(self.drafter, "propose_all"):
+            drafts = self.drafter.propose_all(
+                {job.slot: (job, list(job.prompt) + job.generated, self._draft_limit(job)) for job in jobs}
+            )
+            if any(drafts.values()):
+                self._verify(jobs, drafts)
+                return
+        elif self.drafter is not None or self.config.draft == "mtp":
             drafts = {job.slot: self._propose(job) for job in jobs}
             if any(drafts.values()):
                 self._verify(jobs, drafts)
@@ -239,11 +246,15 @@ class Scheduler:
         if not any(j is not None and not j.prefilling for j in self._slots):
             self._last_decode = 0.0
 
-    def _propose(self, job: Job) -> list[int]:
-        limit = min(
+    def _draft_limit(self, job: Job) -> int:
+        """Drafts that can still be emitted: the verify window also emits one token of the target's own."""
+        return min(
             job.request.sampling.max_tokens - len(job.generated) - 1,
             self.config.max_context - len(job.prompt) - len(job.generated) - 1,
         )
+
+    def _propose(self, job: Job) -> list[int]:
+        limit = self._draft_limit(job)
         if self.drafter is None:  # MTP: the guesses came back with the last step
             return job.device_drafts[: max(limit, 0)]
         return self.drafter.propose(job.prompt + tuple(job.generated), limit)
