@@ -1,4 +1,4 @@
-"""Command line: `python -m strata_jax generate|serve ...` (quantize and plan arrive with their issues)."""
+"""Command line: `python -m strata_jax generate|serve|quantize|plan ...`."""
 
 from __future__ import annotations
 
@@ -56,9 +56,11 @@ def _serve(args: argparse.Namespace) -> int:
         if value < bound:
             print(f"error: {flag} must be >= {bound}", file=sys.stderr)
             return 2
-    if args.draft != "none":
-        print(f"note: speculative drafting (--draft {args.draft}) arrives with a later issue; "
-              "serving without a drafter", flush=True)
+    draft, draft_dir = args.draft, None
+    if draft not in ("none", "ngram", "mtp"):
+        draft_dir, draft = Path(draft), "none"
+        if not draft_dir.is_dir():
+            raise FileNotFoundError(f"--draft {args.draft}: not none/ngram/mtp and not a checkpoint directory")
     if args.vram_reserve_mib is not None or args.pool_workers is not None:
         print("note: the VRAM planner and host expert pool (--vram-reserve-mib, --pool-workers) arrive with a later "
               "issue; all weights stay on the device for now", flush=True)
@@ -74,7 +76,14 @@ def _serve(args: argparse.Namespace) -> int:
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
-        engine = Engine(model, EngineConfig(slots=args.slots, max_context=args.ctx))
+        config = EngineConfig(slots=args.slots, max_context=args.ctx, draft=draft, draft_k=args.draft_k)
+        drafter = None
+        if draft_dir is not None:
+            from strata_jax.engine.draft_model import DraftModelDrafter
+
+            print(f"loading draft model {draft_dir} ...", flush=True)
+            drafter = DraftModelDrafter(load_model(draft_dir, dtype=args.dtype), config, model.config.vocab_size)
+        engine = Engine(model, config, drafter=drafter)
         engine.start()
         print(f"engine ready ({args.slots} slots x {args.ctx} tokens) after {time.monotonic() - started:.1f}s",
               flush=True)
@@ -120,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-name", default=None, help="model name in /v1/models (default: the model dir's name)")
     srv.add_argument("--vram-reserve-mib", type=int, default=None, help="device memory to leave free")
     srv.add_argument("--pool-workers", type=int, default=None, help="host expert pool threads")
-    srv.add_argument("--draft", default="none", help="speculative drafter: mtp, ngram, a drafter DIR, or none")
+    srv.add_argument("--draft", default="none",
+                     help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
+                     "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")
+    srv.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step (default 4)")
     srv.add_argument("--allow-insecure-public", action="store_true",
                      help="allow a non-loopback --host without an API key")
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

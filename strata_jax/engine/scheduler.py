@@ -177,7 +177,7 @@ class Scheduler:
                 job.slot = free[0]
                 self._slots[job.slot] = job
             job.admitted = time.monotonic()
-            job.decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=True) if self.tokenizer else None
+            job.decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=False) if self.tokenizer else None
             snap = self.prefix_cache.lookup(job.prompt)
             if snap is not None:
                 self.steps.write(job.slot, self.prefix_cache.restore(snap, self.kv_len))

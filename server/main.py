@@ -1,0 +1,128 @@
+"""Running the server: bind first (so /health answers 503 during model load and warm-up), load the engine in a
+worker thread, install it, print `listening on http://HOST:PORT`, and shut down gracefully on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from strata_jax.engine.api import EngineProtocol
+from strata_jax.tokenizer import Tokenizer
+
+from server.app import DEFAULT_MAX_BODY_BYTES, create_app, install_engine
+
+LoadEngine = Callable[[], tuple[EngineProtocol, Tokenizer, int]]
+
+ACCESS_LOG_FORMAT = '%a "%r" %s %bB %Tfs "%{User-Agent}i"'
+
+# Seconds in-flight requests get to finish on shutdown before they are cancelled.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def serve(load_engine: LoadEngine, *, host: str, port: int, api_key: str | None, served_name: str,
+          allow_insecure_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+    """Serve until SIGINT/SIGTERM; returns the process exit code.
+
+    `load_engine()` runs in a worker thread and returns (engine, tokenizer, context_length); it prints its own
+    progress. `api_key` defaults to $STRATA_API_KEY. A non-loopback `host` needs a key unless
+    `allow_insecure_public`.
+    """
+    api_key = api_key or os.environ.get("STRATA_API_KEY") or None
+    if not is_loopback(host) and not api_key and not allow_insecure_public:
+        print(f"error: refusing to serve on {host} (reachable from other machines) without an API key; set "
+              "--api-key or STRATA_API_KEY, or pass --allow-insecure-public", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.INFO)  # one line per request
+    logging.getLogger("strata.server").setLevel(logging.INFO)  # e.g. requests cancelled by a client
+    try:
+        return asyncio.run(_serve(load_engine, host, port, api_key, served_name, max_body_bytes))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def _serve(load_engine: LoadEngine, host: str, port: int, api_key: str | None, served_name: str,
+                 max_body_bytes: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    app = create_app(None, None, served_name=served_name, api_key=api_key, context_length=0,
+                     max_body_bytes=max_body_bytes)
+    # handler_cancellation: a client that goes away cancels its handler at once (and so its engine request).
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S,
+                           access_log_format=ACCESS_LOG_FORMAT)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        print(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
+    bound_port = runner.addresses[0][1] if runner.addresses else port
+    print(f"loading the model (GET {_url(host, bound_port)}/health answers 503 until it is ready)", flush=True)
+
+    loaded: asyncio.Future[tuple[EngineProtocol, Tokenizer, int]] = loop.create_future()
+    # A daemon thread, not the default executor: Ctrl-C during a long load must not wait for it to finish.
+    threading.Thread(target=_load_in_thread, args=(load_engine, loop, loaded), name="strata-load", daemon=True).start()
+    stop_wait = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loaded, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    engine: Any = None
+    code = 0
+    if loaded.done() and loaded.exception() is None:
+        engine, tokenizer, context_length = loaded.result()
+        install_engine(app, engine, tokenizer, context_length)
+        print(f"listening on {_url(host, bound_port)}", flush=True)
+        await stop_wait
+    elif loaded.done():
+        exc = loaded.exception()
+        print(f"error: loading the model failed: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    stop_wait.cancel()
+    print("shutting down", file=sys.stderr, flush=True)
+    await runner.cleanup()
+    shutdown = getattr(engine, "shutdown", None) or getattr(engine, "stop", None)
+    if callable(shutdown):
+        shutdown()
+    return code
+
+
+def _load_in_thread(load_engine: LoadEngine, loop: asyncio.AbstractEventLoop, out: asyncio.Future) -> None:
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if not out.done():
+            out.set_exception(exc) if exc is not None else out.set_result(result)
+
+    try:
+        result = load_engine()
+    except BaseException as exc:  # noqa: BLE001 - reported on the event loop
+        loop.call_soon_threadsafe(settle, None, exc)
+        return
+    loop.call_soon_threadsafe(settle, result, None)

@@ -1,0 +1,175 @@
+"""From API-neutral chat messages to prompt token ids, through the checkpoint's own chat template.
+
+Both APIs convert their request into a `ChatPrompt` (OpenAI-style messages with string contents, which is what
+chat templates expect); this module folds stray system messages, renders, tokenizes and checks the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jinja2
+
+from strata_jax.tokenizer import Tokenizer
+
+from server.errors import ApiError, invalid_request
+
+REMINDER_OPEN, REMINDER_CLOSE = "<system-reminder>\n", "\n</system-reminder>"
+
+
+@dataclasses.dataclass
+class ChatPrompt:
+    """A conversation ready for the chat template.
+
+    messages: dicts with role system/user/assistant/tool and string `content` (assistant: optional `tool_calls`
+    `[{"id", "type": "function", "function": {"name", "arguments": dict}}]` and `reasoning_content`; tool:
+    `tool_call_id`). `tools`: OpenAI-style function tools for the template (None = no tools). `tool_schemas`: name ->
+    JSON input schema, for typing parsed tool-call arguments. `prefill`: assistant text the answer continues from.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_schemas: dict[str, Any] = dataclasses.field(default_factory=dict)
+    parse_tools: bool = True
+    enable_thinking: bool | None = None
+    prefill: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedPrompt:
+    """The rendered prompt: text, token ids, and whether generation starts inside an opened `<think>`."""
+
+    text: str
+    ids: list[int]
+    start_in_thinking: bool
+
+
+def reminder(text: str) -> str:
+    """`text` wrapped as a `<system-reminder>` (how Claude Code itself marks system notes inside user turns)."""
+    return REMINDER_OPEN + text + REMINDER_CLOSE
+
+
+def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Leading system messages become one first system message; later ones are folded into a neighbouring user
+    turn as `<system-reminder>` text, because chat templates reject a system message anywhere but first.
+
+    A later system message is appended to the user turn right before it (keeping the order, and keeping earlier
+    turns' rendering unchanged as the conversation grows, which the prefix cache needs); otherwise it is prepended
+    to the next user turn after any tool results; otherwise it becomes a user turn of its own.
+    """
+    out: list[dict[str, Any]] = []
+    i = 0
+    system_parts = []
+    while i < len(messages) and messages[i]["role"] == "system":
+        system_parts.append(messages[i]["content"])
+        i += 1
+    if system_parts:
+        out.append({"role": "system", "content": "\n\n".join(p for p in system_parts if p)})
+    pending: list[str] = []  # reminders waiting for the next user turn
+    for message in messages[i:]:
+        role = message["role"]
+        if role == "system":
+            note = reminder(message["content"])
+            if out and out[-1]["role"] == "user" and not pending:
+                out[-1] = {**out[-1], "content": _join(out[-1]["content"], note)}
+            else:
+                pending.append(note)
+            continue
+        if pending and role == "user":
+            message = {**message, "content": _join("\n\n".join(pending), message["content"])}
+            pending = []
+        elif pending and role != "tool":
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+            pending = []
+        out.append(message)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
+
+
+def merge_consecutive_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user turns (and consecutive assistant turns) combined into one, as Anthropic's API does."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        prev = out[-1] if out else None
+        if prev is None or message["role"] != prev["role"] or message["role"] not in ("user", "assistant"):
+            out.append(message)
+            continue
+        merged = {**prev, "content": _join(prev["content"], message["content"])}
+        if message["role"] == "assistant":
+            if message.get("reasoning_content"):
+                merged["reasoning_content"] = _join(prev.get("reasoning_content", ""), message["reasoning_content"])
+            if message.get("tool_calls"):
+                merged["tool_calls"] = list(prev.get("tool_calls") or []) + list(message["tool_calls"])
+        out[-1] = merged
+    return out
+
+
+def append_user_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    """`note` added at the end of the conversation: to the last user turn, or as a new user turn."""
+    if messages and messages[-1]["role"] == "user":
+        return messages[:-1] + [{**messages[-1], "content": _join(messages[-1]["content"], note)}]
+    return messages + [{"role": "user", "content": note}]
+
+
+def _join(first: str, second: str) -> str:
+    return f"{first}\n\n{second}" if first and second else first or second
+
+
+def tool_choice_note(choice: str, name: str | None = None) -> str | None:
+    """The instruction that enforces a tool choice the template cannot express: "any" or a named tool."""
+    if choice == "any":
+        return reminder("You must answer with a call to one of the available tools.")
+    if choice == "tool" and name:
+        return reminder(f"You must answer with a call to the tool `{name}`.")
+    return None
+
+
+def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
+    """Render `prompt` with the chat template and tokenize it; template errors become 400s."""
+    messages = merge_consecutive_turns(fold_system_messages(prompt.messages))
+    if not messages:
+        raise invalid_request("messages: at least one message is required", "messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=prompt.tools or None,
+            add_generation_prompt=True,
+            enable_thinking=prompt.enable_thinking,
+            tokenize=False,
+        )
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+        raise invalid_request(f"the conversation cannot be rendered with the model's chat template: {exc}") from exc
+    assert isinstance(text, str)
+    start_in_thinking = text.rstrip().endswith("<think>")
+    if prompt.prefill:
+        text += prompt.prefill
+        if "</think>" in prompt.prefill:
+            start_in_thinking = False
+        elif "<think>" in prompt.prefill:
+            start_in_thinking = True
+    return RenderedPrompt(text=text, ids=tokenizer.encode(text), start_in_thinking=start_in_thinking)
+
+
+def prompt_too_long(prompt_tokens: int, context_length: int) -> ApiError:
+    """The 400 clients recognise for a context overflow."""
+    return invalid_request(f"prompt is too long: {prompt_tokens} tokens > {context_length - 1} maximum")
+
+
+def clamp_max_tokens(requested: int | None, prompt_tokens: int, context_length: int) -> int:
+    """`requested` (None = as many as fit) limited to the context left; 400 when the prompt leaves no room."""
+    room = context_length - prompt_tokens
+    if room < 1:
+        raise prompt_too_long(prompt_tokens, context_length)
+    return room if requested is None else min(requested, room)
+
+
+def tool_schema_map(tools: list[Mapping[str, Any]] | None) -> dict[str, Any]:
+    """name -> parameters schema of OpenAI-style function tools."""
+    out: dict[str, Any] = {}
+    for tool in tools or []:
+        fn = tool.get("function", tool)
+        out[fn["name"]] = fn.get("parameters") or {}
+    return out

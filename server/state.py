@@ -1,0 +1,59 @@
+"""What every handler needs: the engine (None while loading), the tokenizer, settings and metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from aiohttp import web
+
+from strata_jax.engine.api import EngineProtocol
+from strata_jax.tokenizer import Tokenizer
+
+from server.errors import ApiError
+from server.metrics import ServerMetrics
+
+
+@dataclasses.dataclass
+class ServerState:
+    """Mutable server state; the engine and tokenizer are installed once loading finishes."""
+
+    served_name: str
+    api_key: str | None
+    context_length: int
+    max_body_bytes: int
+    heartbeat_s: float
+    engine: EngineProtocol | None = None
+    tokenizer: Tokenizer | None = None
+    created: float = dataclasses.field(default_factory=time.time)
+    metrics: ServerMetrics = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.engine_stats)
+
+    @property
+    def ready(self) -> bool:
+        """True once the engine and tokenizer are installed."""
+        return self.engine is not None and self.tokenizer is not None
+
+    def engine_stats(self) -> dict[str, Any] | None:
+        """The engine's stats(), or None while loading (or if stats() fails: metrics must never 500)."""
+        if self.engine is None:
+            return None
+        try:
+            return self.engine.stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because of the engine
+            return None
+
+    def require_ready(self) -> tuple[EngineProtocol, Tokenizer]:
+        """(engine, tokenizer), or a 529 overloaded error while the model is loading (clients retry 529)."""
+        if self.engine is None or self.tokenizer is None:
+            raise ApiError(529, "the model is still loading; retry shortly", headers={"retry-after": "5"})
+        return self.engine, self.tokenizer
+
+
+STATE: web.AppKey[ServerState] = web.AppKey("strata_state", ServerState)
+
+# Per-request id (also the engine request id and the `request-id` response header). RequestKey is aiohttp >= 3.12.
+REQUEST_ID: Any = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
