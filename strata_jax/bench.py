@@ -1,5 +1,9 @@
 """`python -m strata_jax.bench`: measurements of the engine against the floors of the device.
 
+Mode `users` (default): the seed system's scenario — N concurrent users streaming a coding prompt, speculation off
+and on, beside the seed system's published figures (strata_jax/bench_users.py). `--model-dir DIR` benchmarks a
+checkpoint; without it, a synthetic model at `--preset` shapes.
+
 Mode `quant`: for a checkpoint with reference outputs (tests/fixtures/ckpt/*), how 1-4 expert bit-planes change the
 logits and the greedy continuation. Mode `load`: time to quantize a HF checkpoint while loading vs restoring the
 directory `quantize` wrote (on a synthetic HF checkpoint written to a temporary directory).
@@ -16,7 +20,6 @@ import concurrent.futures
 import datetime
 import functools
 import json
-import re
 import statistics
 import sys
 import time
@@ -26,59 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.config import ExpertQuantization, ModelConfig
+from strata_jax.bench_users import print_users_table, run_users, users_args
+from strata_jax.config import ExpertQuantization
+from strata_jax.floors import LAUNCH_US, copy_bandwidth, count_kernels, step_bytes
 from strata_jax.engine.steps import _decode
-from strata_jax.model.cache import AttentionCache, init_cache
-from strata_jax.model.moe import PackedExperts
+from strata_jax.model.cache import init_cache
 from strata_jax.synthetic import PRESETS, preset_config, synthetic_model
 
-LAUNCH_US = 5.0  # measured per-kernel cost of a small step on the H200 (DESIGN.md)
-_KERNEL_OPS = re.compile(r"=\s*\S+\s+(fusion|custom-call|dot|convolution|scatter|gather|sort|reduce|copy|while)\(")
-
-
-def copy_bandwidth(gib: float = 2.0, reps: int = 20) -> float:
-    """Bytes/s of one fused elementwise pass (read + write) over a large random bf16 array."""
-    n = int(gib * 2**30 / 2)
-    x = jax.random.normal(jax.random.key(1), (n,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 1.0001 + 0.5)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n * 2 / statistics.median(times)
-
-
-def count_kernels(hlo_text: str) -> int:
-    """Kernel-launching instructions in a compiled module (fusions, custom calls, library calls, loops)."""
-    return sum(1 for line in hlo_text.splitlines() if _KERNEL_OPS.search(line))
-
-
-def step_bytes(cfg: ModelConfig, model, slots: int, fill: int) -> dict[str, float]:
-    """The fewest bytes one decode step must read (and write, for recurrent state)."""
-    dense = experts_per_layer = expert_layers = 0
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, PackedExperts):
-            expert_layers += 1
-            experts_per_layer = sum(
-                getattr(node, n)[...].nbytes for n in ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
-            )
-        elif isinstance(node, nnx.Param) and "experts" not in str(path) and "embed_tokens" not in str(path):
-            dense += node[...].nbytes
-    per_expert = experts_per_layer / cfg.num_experts
-    distinct = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** slots)
-    n_attn = cfg.layer_types.count("full_attention")
-    n_lin = cfg.num_layers - n_attn
-    kv_tok = 2 * cfg.num_kv_heads * cfg.head_dim * 2 + (cfg.indexer_head_dim * 2 if cfg.qsa else 0)
-    state = cfg.linear_num_v_heads * cfg.linear_k_dim * cfg.linear_v_dim * 4
-    return {
-        "dense": dense,
-        "experts": expert_layers * distinct * per_expert,
-        "kv": n_attn * slots * fill * kv_tok,
-        "recurrent": 2 * n_lin * slots * state,
-        "embed": slots * cfg.hidden_size * 2,
-    }
 
 
 def _random_cache(cfg, slots, ctx, fill, dtype):
@@ -241,7 +198,8 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["step", "quant", "load"], default="step", help="what to measure (default: step)")
+    p.add_argument("--mode", choices=["users", "step", "quant", "load"], default="users",
+                   help="what to measure (default: users, the seed system's scenario)")
     p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
     p.add_argument("--preset", choices=sorted(PRESETS), default="flash-next-125b",
                    help="synthetic model shapes (default flash-next-125b)")
@@ -254,9 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impl", default="auto", help="expert kernel: auto | pallas | xla | reference")
     p.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the bandwidth probe")
     p.add_argument("--json", help="write the rows as JSON here")
+    users_args(p)
     args = p.parse_args(argv)
     args.slots = [int(s) for s in args.slots.split(",")]
-    if args.mode == "quant":
+    args.users = [int(u) for u in args.users.split(",")]
+    if args.mode == "users":
+        rows = run_users(args)
+        print_users_table(rows)
+    elif args.mode == "quant":
         rows = run_quant_effect(args)
     elif args.mode == "load":
         rows = run_load_times(args)
