@@ -13,7 +13,8 @@ class EngineConfig:
     prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it).
     snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
     draft: speculative drafter for every slot: "none", "ngram" (prompt lookup) or "mtp" (the checkpoint's own MTP
-    head, chained draft_k times inside each step); draft_k: tokens guessed per step.
+    head, chained draft_k times inside each step); draft_k: tokens guessed per step. adaptive_draft: a request whose
+    drafts miss 3 verify windows in a row decodes plainly for the next 8 steps (then drafts again).
     cache_dtype: dtype of KV and conv caches ("bfloat16" / "float32"; None = the model's dtype). Gated DeltaNet
     recurrent state is always float32.
     """
@@ -26,6 +27,7 @@ class EngineConfig:
     cache_dtype: str | None = None
     draft: str = "none"
     draft_k: int = 4
+    adaptive_draft: bool = True
 
     def __post_init__(self):
         if self.slots < 1:

@@ -46,6 +46,8 @@ class Job:
     sent_first: bool = False
     consumed: int = 0  # tokens in the slot's cache
     device_drafts: list[int] = dataclasses.field(default_factory=list)  # MTP guesses from the last step
+    misses: int = 0  # consecutive verify windows with no draft accepted
+    backoff: int = 0  # steps left without drafting
     drafted: int = 0
     accepted: int = 0
 
@@ -215,14 +217,17 @@ class Scheduler:
             drafts = self.drafter.propose_all(
                 {job.slot: (job, list(job.prompt) + job.generated, self._draft_limit(job)) for job in jobs}
             )
-            if any(drafts.values()):
-                self._verify(jobs, drafts)
-                return
         elif self.drafter is not None or self.config.draft == "mtp":
             drafts = {job.slot: self._propose(job) for job in jobs}
-            if any(drafts.values()):
-                self._verify(jobs, drafts)
-                return
+        else:
+            drafts = {}
+        for job in jobs:
+            if job.backoff > 0 and job.slot in drafts:
+                job.backoff -= 1
+                drafts[job.slot] = []
+        if any(drafts.values()):
+            self._verify(jobs, drafts)
+            return
         s = self.config.slots
         tokens = np.zeros(s, np.int32)
         active = np.zeros(s, bool)
@@ -287,6 +292,11 @@ class Scheduler:
             job.device_drafts = [int(t) for t in next_drafts[job.slot]]
             job.drafted += len(drafts[job.slot])
             job.accepted += a
+            if self.config.adaptive_draft and drafts[job.slot]:
+                # Drafts that keep missing cost a wider step for nothing: pause them for a while, then retry.
+                job.misses = 0 if a else job.misses + 1
+                if job.misses >= 3:
+                    job.misses, job.backoff = 0, 8
             self.counters["drafted"] += len(drafts[job.slot])
             self.counters["accepted"] += a
             for token in out[job.slot, : a + 1]:
