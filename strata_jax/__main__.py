@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "ckpt" / "qwen4_exp_causal"
+# The bundled demo: a tiny qwen4_exp trained on Python source and chat examples (checkpoints/demo/README.md).
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a prompt with a checkpoint",
         description="Load a Hugging Face checkpoint directory and continue a prompt.",
     )
-    gen.add_argument("--model", default=str(DEMO_MODEL), help="checkpoint directory (default: the bundled fixture)")
+    gen.add_argument("--model", default=str(DEMO_MODEL), help="checkpoint directory (default: the bundled demo model)")
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
