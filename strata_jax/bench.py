@@ -64,7 +64,7 @@ def run_step_bench(args) -> list[dict]:
     jax.block_until_ready(state)
     print(f"synthetic {args.preset}: {sum(x.nbytes for x in jax.tree_util.tree_leaves(state)) / 2**30:.1f} GiB "
           f"on device in {time.monotonic() - t:.0f}s", flush=True)
-    decode = jax.jit(functools.partial(_decode, graphdef), donate_argnums=(1,))
+    decode = jax.jit(functools.partial(_decode, 0, graphdef), donate_argnums=(1,))
 
     def inputs(s):
         rng = np.random.default_rng(s)
@@ -89,17 +89,17 @@ def run_step_bench(args) -> list[dict]:
         cache = _random_cache(cfg, s, args.ctx, args.fill, jnp.bfloat16)
         ins = inputs(s)
         for _ in range(3):
-            out, cache = fn(state, cache, *ins)
+            out, _, cache = fn(state, cache, *ins)
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            out, cache = fn(state, cache, *ins)
+            out, _, cache = fn(state, cache, *ins)
         jax.block_until_ready(cache)
         device_ms = (time.perf_counter() - t0) / args.steps * 1e3
         loop = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            out, cache = fn(state, cache, *ins)
+            out, _, cache = fn(state, cache, *ins)
             np.asarray(out)  # the engine needs the tokens on the host every step
             loop.append(time.perf_counter() - t0)
         loop_ms = statistics.median(loop) * 1e3
