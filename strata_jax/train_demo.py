@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from strata_jax.chat_template import QWEN3_CODER_TEMPLATE
+
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -62,125 +64,11 @@ MAX_FILE_BYTES = 250_000
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "encodings", "pydoc_data", "site-packages", "__pycache__"}
 TOKENIZER_TRAIN_EVERY = 3  # the BPE is trained on every 3rd training file (plus all chat text)
 N_CHAT = 900  # synthetic conversations; every 10th is held out
-CHAT_FRACTION = 0.3  # share of training rows that start at a chat conversation
+CHAT_FRACTION = 0.25  # share of training rows that start at a chat conversation
+SNIPPET_FRACTION = 0.08  # share of training rows that start at a synthetic snippet (a task's code as a plain file)
 
 # Qwen3-Coder-style chat template (the same as tests/fixtures/make_tokenizer_fixture.py).
-CHAT_TEMPLATE = r"""{%- macro render_value(v) -%}
-{%- if v is string -%}{{ v }}{%- else -%}{{ v | tojson }}{%- endif -%}
-{%- endmacro -%}
-{%- if messages[0].role == "system" %}
-{%- set system_message = messages[0].content %}
-{%- set loop_messages = messages[1:] %}
-{%- else %}
-{%- set system_message = none %}
-{%- set loop_messages = messages %}
-{%- endif %}
-{%- if system_message is not none or tools %}
-{{- "<|im_start|>system\n" }}
-{%- if system_message is not none %}
-{{- system_message }}
-{%- else %}
-{{- "You are a helpful assistant." }}
-{%- endif %}
-{%- if tools %}
-{{- "\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>" }}
-{%- for tool in tools %}
-{%- set fn = tool.function if tool.function is defined else tool %}
-{{- "\n<function>\n<name>" ~ fn.name ~ "</name>" }}
-{%- if fn.description is defined %}
-{{- "\n<description>" ~ fn.description | trim ~ "</description>" }}
-{%- endif %}
-{{- "\n<parameters>" }}
-{%- if fn.parameters is defined and fn.parameters.properties is defined %}
-{%- for pname, pschema in fn.parameters.properties | dictsort %}
-{{- "\n<parameter>\n<name>" ~ pname ~ "</name>" }}
-{%- if pschema.type is defined %}
-{{- "\n<type>" ~ render_value(pschema.type) ~ "</type>" }}
-{%- endif %}
-{%- if pschema.description is defined %}
-{{- "\n<description>" ~ pschema.description | trim ~ "</description>" }}
-{%- endif %}
-{%- if pschema.enum is defined %}
-{{- "\n<enum>" ~ pschema.enum | tojson ~ "</enum>" }}
-{%- endif %}
-{{- "\n</parameter>" }}
-{%- endfor %}
-{%- endif %}
-{%- if fn.parameters is defined and fn.parameters.required is defined %}
-{{- "\n<required>" ~ fn.parameters.required | tojson ~ "</required>" }}
-{%- endif %}
-{{- "\n</parameters>\n</function>" }}
-{%- endfor %}
-{{- "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>" }}
-{%- endif %}
-{{- "<|im_end|>\n" }}
-{%- endif %}
-{%- set ns = namespace(last_query_index=loop_messages | length - 1) %}
-{%- for message in loop_messages[::-1] %}
-{%- set index = (loop_messages | length - 1) - loop.index0 %}
-{%- if message.role == "user" and message.content is string and not message.content.startswith("<tool_response>") %}
-{%- set ns.last_query_index = index %}
-{%- break %}
-{%- endif %}
-{%- endfor %}
-{%- for message in loop_messages %}
-{%- set content = message.content if message.content is string else "" %}
-{%- if message.role == "system" %}
-{{- raise_exception("System message must be the first message.") }}
-{%- elif message.role == "user" %}
-{{- "<|im_start|>user\n" ~ content ~ "<|im_end|>\n" }}
-{%- elif message.role == "assistant" %}
-{%- set reasoning = "" %}
-{%- if message.reasoning_content is string %}
-{%- set reasoning = message.reasoning_content %}
-{%- elif "</think>" in content %}
-{%- set reasoning = content.split("</think>")[0].split("<think>")[-1] %}
-{%- set content = content.split("</think>")[-1] %}
-{%- endif %}
-{{- "<|im_start|>assistant\n" }}
-{%- if loop.index0 > ns.last_query_index and reasoning %}
-{{- "<think>\n" ~ reasoning.strip("\n") ~ "\n</think>\n\n" }}
-{%- endif %}
-{{- content.lstrip("\n") }}
-{%- if message.tool_calls %}
-{%- for tool_call in message.tool_calls %}
-{%- set call = tool_call.function if tool_call.function is defined else tool_call %}
-{%- if loop.first and content | trim %}
-{{- "\n\n" }}
-{%- elif not loop.first %}
-{{- "\n" }}
-{%- endif %}
-{{- "<tool_call>\n<function=" ~ call.name ~ ">\n" }}
-{%- if call.arguments is mapping %}
-{%- for arg_name, arg_value in call.arguments.items() %}
-{{- "<parameter=" ~ arg_name ~ ">\n" ~ render_value(arg_value) ~ "\n</parameter>\n" }}
-{%- endfor %}
-{%- elif call.arguments is defined %}
-{{- raise_exception("tool_call arguments must be a dict, got: " ~ call.arguments | string) }}
-{%- endif %}
-{{- "</function>\n</tool_call>" }}
-{%- endfor %}
-{%- endif %}
-{{- "<|im_end|>\n" }}
-{%- elif message.role == "tool" %}
-{%- if loop.first or loop.previtem.role != "tool" %}
-{{- "<|im_start|>user" }}
-{%- endif %}
-{{- "\n<tool_response>\n" ~ render_value(message.content) ~ "\n</tool_response>" }}
-{%- if loop.last or loop.nextitem.role != "tool" %}
-{{- "<|im_end|>\n" }}
-{%- endif %}
-{%- else %}
-{{- raise_exception("Unknown message role: " ~ message.role) }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- "<|im_start|>assistant\n" }}
-{%- if enable_thinking is defined and enable_thinking is false %}
-{{- "<think>\n\n</think>\n\n" }}
-{%- endif %}
-{%- endif %}
-"""
+CHAT_TEMPLATE = QWEN3_CODER_TEMPLATE
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Model shape
@@ -709,6 +597,20 @@ def chat_conversations(seed: int, n: int) -> list[tuple[list[dict], list[dict] |
     return out
 
 
+def code_snippets(seed: int) -> list[str]:
+    """Every task's code as a small file of its own (as is, with a docstring, with a usage line), shuffled."""
+    rng = np.random.default_rng(seed + 2000)
+    out = []
+    for desc, name, code in TASKS + CLASS_TASKS:
+        out.append(code)
+        if code.startswith("def "):
+            head, body = code.split("\n", 1)
+            out.append(f'{head}\n    """{desc[0].upper()}{desc[1:]}."""\n{body}')
+        out.append(f"# {name}: {desc}\n\n{code}")
+    order = rng.permutation(len(out))
+    return [out[i] for i in order]
+
+
 def render_conversation(tokenizer, messages: list[dict], tools: list[dict] | None, mode: str) -> str:
     """The training text of one conversation, exactly as the template renders it at inference."""
     if mode == "empty_think":  # the prompt with enable_thinking=False, then the final answer
@@ -822,7 +724,8 @@ def train_tokenizer(code_texts: list[str], chat_texts: list[str]):
 class Corpus:
     """Token streams (documents joined by <|endoftext|>) and the sampler of training windows."""
 
-    def __init__(self, tok, code_texts: list[str], chat_texts: list[str], held_code: list[str], held_chat: list[str]):
+    def __init__(self, tok, code_texts: list[str], chat_texts: list[str], held_code: list[str], held_chat: list[str],
+                 snippets: list[str]):
         eot = tok.token_to_id("<|endoftext|>")
 
         def stream(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -840,6 +743,7 @@ class Corpus:
         self.held_code, _ = stream(held_code)
         self.held_chat, self.held_chat_starts = stream(held_chat)
         self.chat_lengths = np.diff(np.append(self.chat_starts, len(self.chat)))
+        self.snippets, self.snippet_starts = stream(snippets)
 
     @staticmethod
     def _window(stream: np.ndarray, start: int, n: int) -> np.ndarray:
@@ -848,12 +752,17 @@ class Corpus:
         return np.concatenate([stream[start:], stream[: start + n - len(stream)]])
 
     def batch(self, rng: np.random.Generator, batch: int, n: int) -> np.ndarray:
-        """[batch, n] windows: CHAT_FRACTION start at a conversation, the rest anywhere in the code stream."""
+        """[batch, n] windows: CHAT_FRACTION start at a conversation, SNIPPET_FRACTION at a snippet (both packed
+        with the documents that follow), the rest anywhere in the code stream."""
         rows = []
         for _ in range(batch):
-            if rng.random() < CHAT_FRACTION:
+            r = rng.random()
+            if r < CHAT_FRACTION:
                 start = int(self.chat_starts[rng.integers(len(self.chat_starts))])
                 rows.append(self._window(self.chat, start, n))
+            elif r < CHAT_FRACTION + SNIPPET_FRACTION:
+                start = int(self.snippet_starts[rng.integers(len(self.snippet_starts))])
+                rows.append(self._window(self.snippets, start, n))
             else:
                 rows.append(self._window(self.code, int(rng.integers(len(self.code))), n))
         return np.stack(rows)
@@ -1196,7 +1105,8 @@ def main(argv=None) -> None:
         f"{len(held_code)} held out; {len(train_chat)} chat conversations, {len(held_chat)} held out")
     tok = train_tokenizer(code_texts[::TOKENIZER_TRAIN_EVERY], train_chat)
     write_tokenizer(tok, out)
-    corpus = Corpus(tok, code_texts, train_chat, held_code, held_chat)
+    snippets = code_snippets(args.seed)
+    corpus = Corpus(tok, code_texts, train_chat, held_code, held_chat, snippets)
     log(f"tokenizer: vocab {tok.get_vocab_size()}; tokens: code {len(corpus.code):,}, chat {len(corpus.chat):,} "
         f"(conversation length median {int(np.median(corpus.chat_lengths))}, max {int(corpus.chat_lengths.max())}), "
         f"held-out code {len(corpus.held_code):,}")
@@ -1300,6 +1210,7 @@ def main(argv=None) -> None:
             "code_tokens": len(corpus.code), "chat_tokens": len(corpus.chat),
             "chat_conversations": len(train_chat), "heldout_conversations": len(held_chat),
             "chat_fraction": CHAT_FRACTION, "heldout_code_tokens": len(corpus.held_code),
+            "snippets": len(snippets), "snippet_tokens": len(corpus.snippets), "snippet_fraction": SNIPPET_FRACTION,
         },
     }
     # The same windows through the training path (float32, CPU-friendly kernels) for the consistency check below.
