@@ -9,11 +9,7 @@ from conftest import FIXTURES
 from server_helpers import ServerThread, httpx
 
 from server.app import create_app
-
-try:
-    from strata_jax.engine import Engine, EngineConfig
-except ImportError as exc:  # the engine lands in its own issue
-    pytest.skip(f"strata_jax.engine.Engine is not available: {exc}", allow_module_level=True)
+from strata_jax.engine import Engine, EngineConfig
 
 CKPT = FIXTURES / "ckpt" / "qwen4_exp_causal"
 PROMPTS = [f"Write a function number {i} that adds {i} to x." for i in range(8)]
