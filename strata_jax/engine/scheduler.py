@@ -157,7 +157,7 @@ class Scheduler:
             job.emit(TokenEvent(None, finish_reason="cancelled"))
 
     def _iteration(self, cancelled: set[str]) -> None:
-        for slot, job in enumerate(self._slots):
+        for job in list(self._slots):
             if job is not None and job.request.request_id in cancelled:
                 self._finish(job, "cancelled", snapshot=False)
                 self.counters["cancelled"] += 1
