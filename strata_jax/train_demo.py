@@ -836,8 +836,8 @@ _TAPS: list | None = None  # aux losses recorded while tracing the training loss
 @contextlib.contextmanager
 def training_taps(cfg):
     """Wraps the router and the attention so that, while tracing the training loss, they record a Switch-style
-    load-balancing loss and the QSA indexer's distillation loss; and picks CPU-friendly forms of two kernels (dense
-    experts, the recurrent delta rule) that compute the same function. Restores everything on exit."""
+    load-balancing loss and the QSA indexer's distillation loss; and picks CPU-friendly forms of two kernels
+    (block-sorted experts, the recurrent delta rule) that compute the same function. Restores everything on exit."""
     global _TAPS
     import jax
     import jax.numpy as jnp
@@ -867,16 +867,7 @@ def training_taps(cfg):
         return out
 
     def experts(self, x, ids, weights):
-        # Every expert on every token, combined with the routing weights (zero for unselected experts): the same
-        # function as `experts_reference`, and several times faster than ragged_dot on a CPU at this size.
-        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
-        inter = gate_up.shape[1] // 2
-        gu = jnp.einsum("nh,eoh->neo", x.astype(gate_up.dtype), gate_up)
-        act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
-        out = jnp.einsum("nei,ehi->neh", act, down)
-        combine = jnp.zeros((x.shape[0], gate_up.shape[0]), jnp.float32)
-        combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-        return jnp.einsum("neh,ne->nh", out.astype(jnp.float32), combine).astype(x.dtype)
+        return blocked_experts(x, ids, weights, self.gate_up_proj[...], self.down_proj[...])
 
     moe_mod.Router.__call__, attention_mod.Attention.__call__ = router, attention
     moe_mod.Experts.__call__ = experts
@@ -892,8 +883,39 @@ def training_taps(cfg):
         deltanet_mod.RECURRENT_MAX_TOKENS = recurrent_max
 
 
+def blocked_experts(x, ids, weights, gate_up, down, block: int = 128):
+    """The same function as `experts_reference` (sum_k w_k * expert_k(x)), computed the way grouped-GEMM kernels do:
+    (token, expert) pairs sorted by expert into blocks of `block` rows that each belong to one expert (groups padded
+    to whole blocks), one batched matmul over the blocks. ~2.5x faster than all-experts-dense and ~10x faster than
+    ragged_dot (forward + backward) on a CPU at this size."""
+    import jax
+    import jax.numpy as jnp
+
+    n, k = ids.shape
+    n_experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert_of = flat[order]
+    sizes = jnp.bincount(flat, length=n_experts)
+    padded = (sizes + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    dest = (padded_end - padded)[expert_of] + jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert_of]
+    n_blocks = -(-(n * k + n_experts * (block - 1)) // block)
+    token_of = order // k
+    xs = jnp.zeros((n_blocks * block, x.shape[-1]), gate_up.dtype).at[dest].set(x[token_of].astype(gate_up.dtype))
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right"),
+                               n_experts - 1)
+    gu = jnp.einsum("bmh,boh->bmo", xs.reshape(n_blocks, block, -1), gate_up[block_expert])
+    act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+    out = jnp.einsum("bmi,bhi->bmh", act, down[block_expert]).reshape(n_blocks * block, -1)
+    out = out[dest].astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
+
+
 def _indexer_kl(attn, x, start, apply_rope, rope_cos_sin):
-    """KL(attention block mass || softmax(indexer block scores)) over complete blocks, averaged over queries.
+    """KL(attention block mass || softmax(indexer block scores)) over complete blocks, averaged over the queries
+    that end a block (a quarter of them, to save time).
 
     The target is the layer's own causal attention (all heads, no selection), pooled over blocks of compress_ratio
     keys; only the indexer's weights get gradients (x is detached by the caller, the target is stopped)."""
@@ -905,22 +927,24 @@ def _indexer_kl(attn, x, start, apply_rope, rope_cos_sin):
     d, kvh, c = cfg.head_dim, cfg.num_kv_heads, cfg.indexer_compress_ratio
     positions = start[:, None] + jnp.arange(t)[None, :]
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-    q = attn.q_proj(x).reshape(b, t, cfg.num_heads, 2 * d)[..., :d]
-    q = apply_rope(attn.q_norm(q), cos, sin).reshape(b, t, kvh, cfg.num_heads // kvh, d)
+    qpos = jnp.arange(c - 1, t, c)  # queries that end a block
+    qcos, qsin = cos[:, c - 1::c], sin[:, c - 1::c]
+    q = attn.q_proj(x[:, c - 1::c]).reshape(b, -1, cfg.num_heads, 2 * d)[..., :d]
+    q = apply_rope(attn.q_norm(q), qcos, qsin).reshape(b, -1, kvh, cfg.num_heads // kvh, d)
     k = apply_rope(attn.k_norm(attn.k_proj(x).reshape(b, t, kvh, d)), cos, sin)
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    causal = jnp.arange(t)[None, :] <= qpos[:, None]
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) * d**-0.5
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
     n_blocks = t // c
-    mass = jnp.mean(probs, axis=(1, 2)).reshape(b, t, n_blocks, c).sum(-1)  # [B, T, NB]
-    complete = jnp.arange(n_blocks)[None, :] < ((jnp.arange(t) + 1) // c)[:, None]  # [T, NB]
+    mass = jnp.mean(probs, axis=(1, 2)).reshape(b, len(qpos), n_blocks, c).sum(-1)  # [B, Q, NB]
+    complete = jnp.arange(n_blocks)[None, :] < ((qpos + 1) // c)[:, None]  # [Q, NB]
     mass = jnp.where(complete, mass, 0.0)
     target = jax.lax.stop_gradient(mass / jnp.maximum(mass.sum(-1, keepdims=True), 1e-9))
 
     idx = attn.indexer
     di, nh = cfg.indexer_head_dim, cfg.indexer_n_heads
     qk = idx.index_qk_proj(x)
-    iq = apply_rope(idx.q_layernorm(qk[..., : nh * di].reshape(b, t, nh, di)), cos, sin)
+    iq = apply_rope(idx.q_layernorm(qk[:, c - 1::c, : nh * di].reshape(b, -1, nh, di)), qcos, qsin)
     pooled = idx.k_layernorm(jnp.mean(qk[..., nh * di:].reshape(b, n_blocks, c, di), axis=2))
     bcos, bsin = rope_cos_sin(jnp.arange(n_blocks) * c, cfg.rotary_dim, cfg.rope_theta)
     bk = apply_rope(pooled[:, :, None, :], bcos, bsin)[:, :, 0, :]
@@ -1050,17 +1074,27 @@ def sample_outputs(lm, max_new_tokens: int = 96) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()} CPU"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m strata_jax.train_demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="checkpoints/demo", help="output directory (HF layout)")
-    p.add_argument("--steps", type=int, default=560, help="optimizer steps (the LR schedule spans them)")
+    p.add_argument("--steps", type=int, default=850, help="optimizer steps (the LR schedule spans them)")
     p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes (early stop; "
                    "the LR schedule still assumes --steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=6, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=384, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=4e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--mtp-weight", type=float, default=0.3)
@@ -1203,8 +1237,7 @@ def main(argv=None) -> None:
         "batch": args.batch, "seq_len": args.seq_len, "params": n_params, "expert_params": n_expert,
         "ple_params": int(ple_table.size), "final_train": final_train, "history": history,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores ({platform.processor() or 'unknown'}), "
-                   f"jax {jax.__version__} on {jax.default_backend()}",
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, jax {jax.__version__} on {jax.default_backend()}",
         "corpus": {
             "stdlib": str(root), "train_files": len(code_texts), "heldout_files": len(held_code),
             "code_tokens": len(corpus.code), "chat_tokens": len(corpus.chat),
@@ -1284,7 +1317,8 @@ def write_readme(out: Path, run: dict, cfg, config: dict) -> None:
         run["command"],
         "```",
         "",
-        f"* date: {run['date']}; machine: {run['machine']} (a 2-core CPU shared with other work; no GPU).",
+        f"* date: {run['date']}; machine: {run['machine']}"
+        + (" (shared with other jobs while training; no GPU)." if run["machine"].endswith("on cpu") else "."),
         f"* {run['steps']} steps" + (f" of {run['planned_steps']} planned (stopped by --minutes)"
                                      if run["stopped_early"] else "")
         + f" x {run['batch']} sequences x {run['seq_len']} tokens = {run['tokens']:,} tokens; "
@@ -1310,6 +1344,11 @@ def write_readme(out: Path, run: dict, cfg, config: dict) -> None:
         f"commands and Python, search, list, weather) with `<tool_call>` XML calls, `<tool_response>` turns and final "
         f"answers. {c['chat_tokens']:,} tokens; {int(c['chat_fraction'] * 100)}% of training rows start at a "
         "conversation."),
+        (f"* {c['snippets']} synthetic snippets: the code of the same tasks as small files of their own (as is, with "
+         f"a docstring, after a comment line); {c['snippet_tokens']:,} tokens; {int(c['snippet_fraction'] * 100)}% "
+         "of training rows start at one."),
+        ("* Rows that start at a conversation or snippet continue with the documents that follow it; documents are "
+         "separated by `<|endoftext|>`."),
         "",
     ]
     if ev:
@@ -1331,8 +1370,8 @@ def write_readme(out: Path, run: dict, cfg, config: dict) -> None:
             (f"MTP head top-1 accuracy on the held-out code windows (its guess of token t+2 equals the actual token): "
             f"{ev['bf16']['code']['mtp_top1']:.3f}."),
             "",
-            ("Consistency check: on 4 of those windows the training code path (float32 weights; dense experts and the "
-            "recurrent delta rule) gives "
+            ("Consistency check: on 4 of those windows the training code path (float32 weights; block-sorted experts "
+             "and the recurrent delta rule) gives "
             f"{ev['consistency']['train_path_f32']:.4f} and `load_model(dtype=\"float32\")` on the exported bf16 "
             f"weights {ev['consistency']['load_model_f32_bf16_weights']:.4f}."),
             "",
@@ -1340,7 +1379,7 @@ def write_readme(out: Path, run: dict, cfg, config: dict) -> None:
             "",
         ]
         for s in ev["bf16"]["samples"]:
-            lines += [f"{s['kind']} prompt: `{s['prompt']!r}`", "", "```", s["output"], "```", ""]
+            lines += [f"{s['kind']} prompt: `{s['prompt']!r}`", "", "````text", s["output"], "````", ""]
     lines += [
         "## Files",
         "",
