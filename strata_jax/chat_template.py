@@ -2,6 +2,19 @@
 system turn with a `<tools>` section, XML tool calls (`<tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n...`),
 `<tool_response>` turns, `<think>` reasoning and the `enable_thinking` switch."""
 
+# The special tokens the template uses, in the id order of the bundled tokenizers (appended after the BPE vocab).
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+
 QWEN3_CODER_TEMPLATE = r"""{%- macro render_value(v) -%}
 {%- if v is string -%}{{ v }}{%- else -%}{{ v | tojson }}{%- endif -%}
 {%- endmacro -%}

@@ -41,19 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from strata_jax.chat_template import QWEN3_CODER_TEMPLATE
+from strata_jax.chat_template import QWEN3_CODER_TEMPLATE, SPECIAL_TOKENS
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-]
 VOCAB_SIZE = 3072  # including the special tokens (at the end)
 # Copied from transformers' Qwen2Tokenizer so both libraries tokenize identically.
 PRETOKENIZE_REGEX = (
