@@ -65,10 +65,16 @@ class ServerMetrics:
         self.queue_length = Gauge("strata_queue_length", "requests waiting for a slot", registry=r)
         self.slots_busy.set_function(lambda: self._stat("slots_busy"))
         self.queue_length.set_function(lambda: self._stat("queue_length"))
+        self.expert_hit_rate = Gauge(
+            "strata_expert_gpu_hit_rate",
+            "fraction of routed (token, expert) pairs served from the GPU expert pool since start (1 when every "
+            "expert is on the GPU; the rest run on the host)", registry=r,
+        )
+        self.expert_hit_rate.set_function(lambda: self._stat("expert_gpu_hit_rate", default=1.0))
         r.register(_EngineStatsCollector(engine_stats))
 
-    def _stat(self, key: str) -> float:
-        value: Any = (self._engine_stats() or {}).get(key, 0.0)
+    def _stat(self, key: str, default: float = 0.0) -> float:
+        value: Any = (self._engine_stats() or {}).get(key, default)
         return float(value) if isinstance(value, (int, float)) else 0.0
 
     def render(self) -> tuple[bytes, str]:

@@ -7,8 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-# The bundled demo: a tiny qwen4_exp trained on Python source and chat examples (checkpoints/demo/README.md).
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
+from strata_jax.config import DEMO_MODEL
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -62,9 +61,10 @@ def _serve(args: argparse.Namespace) -> int:
         draft_dir, draft = Path(draft), "none"
         if not draft_dir.is_dir():
             raise FileNotFoundError(f"--draft {args.draft}: not none/ngram/mtp and not a checkpoint directory")
-    if args.vram_reserve_mib is not None or args.pool_workers is not None:
-        print("note: the VRAM planner and host expert pool (--vram-reserve-mib, --pool-workers) arrive with a later "
-              "issue; all weights stay on the device for now", flush=True)
+    if args.vram_budget_mib is not None and args.vram_budget_mib <= 0:
+        print("error: --vram-budget-mib must be > 0", file=sys.stderr)
+        return 2
+    gpu_experts = _serve_plan(args, model_dir)  # before JAX starts its backend: the allocator follows the plan
     served_name = args.served_name or model_dir.resolve().name
 
     def load_engine():
@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         print(f"loading {model_dir} ({args.dtype}) ...", flush=True)
-        model = load_model(model_dir, dtype=args.dtype)
+        model = load_model(model_dir, dtype=args.dtype, gpu_experts=gpu_experts)
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
@@ -128,8 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require this key (x-api-key or Authorization: Bearer); "
                      "default $STRATA_API_KEY")
     srv.add_argument("--served-name", default=None, help="model name in /v1/models (default: the model dir's name)")
-    srv.add_argument("--vram-reserve-mib", type=int, default=None, help="device memory to leave free")
-    srv.add_argument("--pool-workers", type=int, default=None, help="host expert pool threads")
+    srv.add_argument("--vram-reserve-mib", type=int, default=None,
+                     help="device memory the memory plan leaves free (default 1536)")
+    srv.add_argument("--vram-budget-mib", type=int, default=None,
+                     help="plan for a card of this size (default: the device's free memory; on a CPU without it, "
+                     "every expert stays resident); experts that do not fit run on the host")
+    srv.add_argument("--pool-workers", type=int, default=None,
+                     help="host expert pool threads (default: the CPU quota granted, minus one)")
+    srv.add_argument("--gpu-experts", type=int, default=None,
+                     help="experts per MoE layer in the device pool, overriding the plan (packed experts only)")
     srv.add_argument("--draft", default="none",
                      help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
                      "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")
@@ -175,6 +182,90 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve_plan(args: argparse.Namespace, model_dir: Path) -> int | None:
+    """serve's start-up plan: probe the device (in a child process), plan, print the plan and the CPU budget, set
+    the allocator's environment. Returns the device expert pool size (None: every expert resident). Raises
+    ValueError when the plan refuses."""
+    import os
+
+    from strata_jax.engine.cpu_quota import cpu_budget, describe
+    from strata_jax.engine.planner import (
+        DEFAULT_RESERVE_MIB,
+        allocator_env,
+        apply_env,
+        format_plan,
+        make_plan,
+        probe_device_memory,
+    )
+    from strata_jax.host.tier import configure_workers
+
+    if args.gpu_experts is not None and not (model_dir / "strata_quant.json").is_file():
+        raise ValueError("--gpu-experts needs packed experts: convert the checkpoint with `python -m strata_jax "
+                         "quantize` first")
+    budget = cpu_budget(pool_workers=args.pool_workers)
+    configure_workers(budget.workers)
+    device = probe_device_memory()
+    if device is None and args.vram_budget_mib is None:
+        print(describe(budget), flush=True)
+        if args.gpu_experts is not None:
+            print(f"host expert tier: --gpu-experts {args.gpu_experts} experts per MoE layer in the device pool, "
+                  f"the others computed by {budget.workers} host worker(s)", flush=True)
+            return args.gpu_experts
+        print("memory plan: no device memory statistics (CPU backend) and no --vram-budget-mib: every weight stays "
+              "resident", flush=True)
+        return None
+    from strata_jax.engine.config import EngineConfig
+
+    cfg, quant, _, with_mtp = _checkpoint_shapes(model_dir, None, None, args.dtype, quantized_only=True)
+    dtype = args.dtype  # load_model builds the dense weights in --dtype, whatever the conversion stored
+    engine = EngineConfig(slots=args.slots, max_context=args.ctx)
+    reserve = DEFAULT_RESERVE_MIB if args.vram_reserve_mib is None else args.vram_reserve_mib
+    plan = make_plan(cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp, vram_reserve_mib=reserve,
+                     vram_budget_mib=args.vram_budget_mib, device=device)
+    print(format_plan(plan), flush=True)
+    print(describe(budget), flush=True)
+    if not plan.fits:
+        raise ValueError(plan.message)
+    if quant is None and plan.gpu_experts < plan.num_experts:
+        raise ValueError(f"only {plan.gpu_experts} of {plan.num_experts} experts per layer fit, and the host tier "
+                         "needs packed experts: convert the checkpoint with `python -m strata_jax quantize`")
+    apply_env(allocator_env(plan), os.environ)
+    pool = plan.gpu_experts if plan.moe_layers and plan.gpu_experts < plan.num_experts else None
+    if args.gpu_experts is not None:
+        pool = args.gpu_experts
+        print(f"--gpu-experts {pool} overrides the plan's pool of {plan.gpu_experts}", flush=True)
+    if pool is not None:
+        print(f"host expert tier: {pool} of {plan.num_experts} experts per MoE layer in the device pool, the others "
+              f"computed by {budget.workers} host worker(s); hot experts are promoted while serving", flush=True)
+    return pool
+
+
+def _checkpoint_shapes(model_dir: Path, planes: int | None, group: int | None, dtype: str | None,
+                       quantized_only: bool = False):
+    """(config, expert format, weights dtype, has MTP) of a checkpoint, from config.json and headers only. A
+    converted directory's own format wins; for a HF directory `planes` (default 1; 0 = dense) says how it would be
+    quantized, or, with `quantized_only` (serve loads HF experts dense), the experts are dense."""
+    from strata_jax.config import ExpertQuantization, load_config
+
+    cfg = load_config(model_dir)
+    if (model_dir / "strata_quant.json").is_file():
+        from strata_jax.weights.convert import read_marker
+
+        meta = read_marker(model_dir)
+        planes, group, dtype = meta["planes"], meta["group"], meta.get("dtype", dtype)
+        with_mtp = (model_dir / "params" / "mtp").is_dir()
+    else:
+        from strata_jax.weights.loader import has_mtp
+        from strata_jax.weights.safetensors_io import CheckpointReader
+
+        with_mtp = has_mtp(CheckpointReader(model_dir))  # safetensors headers only
+        if quantized_only:
+            planes = 0
+    planes = 1 if planes is None else planes
+    quant = ExpertQuantization(planes=planes, group=group or 128) if planes else None
+    return cfg, quant, dtype or "bfloat16", with_mtp
+
+
 def _plan(args: argparse.Namespace) -> int:
     import os
 
@@ -182,34 +273,22 @@ def _plan(args: argparse.Namespace) -> int:
 
     # Before JAX's backend starts: a limit of the whole card and no preallocation, so memory_stats shows the card.
     apply_env(PROBE_ENV, os.environ)
-    from strata_jax.config import ExpertQuantization, load_config
+    from strata_jax.config import ExpertQuantization
     from strata_jax.engine.config import EngineConfig
     from strata_jax.engine.cpu_quota import cpu_budget, describe
     from strata_jax.engine.planner import device_memory, format_plan, make_plan
 
-    planes, group, dtype = args.planes, args.group, args.dtype
     if args.preset:
         from strata_jax.synthetic import preset_config
 
-        cfg, with_mtp = preset_config(args.preset), False
+        cfg, with_mtp, dtype = preset_config(args.preset), False, args.dtype or "bfloat16"
+        planes = 1 if args.planes is None else args.planes
+        quant = ExpertQuantization(planes=planes, group=args.group or 128) if planes else None
     else:
-        model_dir = Path(args.model or DEMO_MODEL)
-        cfg = load_config(model_dir)
-        if (model_dir / "strata_quant.json").is_file():
-            from strata_jax.weights.convert import read_marker
-
-            meta = read_marker(model_dir)
-            planes, group, dtype = meta["planes"], meta["group"], meta.get("dtype", dtype)
-            with_mtp = (model_dir / "params" / "mtp").is_dir()
-        else:
-            from strata_jax.weights.loader import has_mtp
-            from strata_jax.weights.safetensors_io import CheckpointReader
-
-            with_mtp = has_mtp(CheckpointReader(model_dir))  # safetensors headers only
-    planes = 1 if planes is None else planes
-    quant = ExpertQuantization(planes=planes, group=group or 128) if planes else None
+        cfg, quant, dtype, with_mtp = _checkpoint_shapes(Path(args.model or DEMO_MODEL), args.planes, args.group,
+                                                         args.dtype)
     engine = EngineConfig(slots=args.slots, max_context=args.ctx, cache_dtype=args.cache_dtype)
-    plan = make_plan(cfg, quant, engine, weights_dtype=dtype or "bfloat16", with_mtp=with_mtp,
+    plan = make_plan(cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp,
                      vram_reserve_mib=args.vram_reserve_mib, vram_budget_mib=args.vram_budget_mib,
                      device=device_memory())
     print(format_plan(plan))

@@ -21,6 +21,7 @@ from flax import nnx
 from strata_jax.config import ExpertQuantization, ModelConfig, load_config
 from strata_jax.model.cache import ModelCache, init_cache
 from strata_jax.model.decoder import CausalLM
+from strata_jax.model.moe import row_mask
 from strata_jax.model.ple_hash import NgramHasher, PleTable
 from strata_jax.weights.convert import is_converted, read_marker, restore_params
 from strata_jax.weights.loader import fill_params, has_mtp, load_ple_tables
@@ -39,7 +40,8 @@ class Sequences:
 
 def _step(graphdef, state, tokens, cache, n_valid, ple_rows):
     model = nnx.merge(graphdef, state)
-    return model(tokens, cache, n_valid, ple_rows)
+    with row_mask(jnp.arange(tokens.shape[1])[None, :] < n_valid[:, None]):
+        return model(tokens, cache, n_valid, ple_rows)
 
 
 def _mtp_step(graphdef, state, next_tokens, hidden, cache, n_valid):
@@ -175,7 +177,13 @@ def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) ->
 
 
 def load_model(
-    path: str | Path, dtype: str = "float32", quantize: str | None = None, *, planes: int = 1, group: int = 128
+    path: str | Path,
+    dtype: str = "float32",
+    quantize: str | None = None,
+    *,
+    planes: int = 1,
+    group: int = 128,
+    gpu_experts: int | None = None,
 ) -> LoadedModel:
     """Loads a Hugging Face checkpoint directory (config.json + safetensors [+ index] + tokenizer files), or a
     directory written by `python -m strata_jax quantize` (its experts stay packed as converted).
@@ -183,6 +191,9 @@ def load_model(
     dtype: "float32" or "bfloat16" (weights and activations; recurrent state is always float32).
     quantize: None (dense experts) or "1bit": routed experts become `planes` residual sign bit-planes with one
     bf16 scale per `group` inputs, converted while loading, and run through `pallas_kernels`.
+    gpu_experts: packed experts only: experts per MoE layer kept in the device pool (e.g. the planner's
+    `MemoryPlan.gpu_experts`); the others are computed on the host from the same packed bytes (strata_jax/host).
+    None (or >= the number of experts): every expert on the device.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -196,13 +207,15 @@ def load_model(
     jdtype = _DTYPES[dtype]
     if is_converted(path):
         meta = read_marker(path)
-        quant = ExpertQuantization(planes=meta["planes"], group=meta["group"])
+        quant = ExpertQuantization(planes=meta["planes"], group=meta["group"], gpu_experts=gpu_experts)
         with_mtp = (path / "params" / "mtp").is_dir()
         model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant))
         restore_params(model, path)
         reader = CheckpointReader(path) if config.ple_layers else None
     else:
-        quant = ExpertQuantization(planes=planes, group=group) if quantize == "1bit" else None
+        quant = ExpertQuantization(planes=planes, group=group, gpu_experts=gpu_experts) if quantize == "1bit" else None
+        if quant is None and gpu_experts is not None:
+            raise ValueError("gpu_experts needs packed experts (quantize='1bit' or a converted checkpoint)")
         reader = CheckpointReader(path)
         with_mtp = has_mtp(reader)
         model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant))

@@ -122,11 +122,16 @@ def bf16_layer(x, ids, w, gu, dn):
     return jnp.einsum("tkh,tk->th", y, w).astype(x.dtype)
 
 
-def make_scan(layer_fn, iters, layers, unroll=1):
+def make_scan(layer_fn, iters, layers, unroll=1, chain=True):
+    """`iters` layers in a jitted scan, layer i using expert copy i % layers. With `chain`, layer i+1's input
+    depends on layer i's output as in the model: independent layers let XLA overlap consecutive layers' kernels,
+    which made small-T kernels look ~3x faster than inside the engine's step (docs/PERF.md, step profile)."""
     @jax.jit
     def run(xs, ids, ws, *weights):
         def body(carry, inp):
             i, x, idx, wt = inp
+            if chain and carry.shape == x.shape:
+                x = x + (carry * 1e-3).astype(x.dtype)
             idx = idx + (i % layers) * EXPERTS
             return layer_fn(x, idx, wt, *weights), None
 
@@ -183,6 +188,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--unroll", type=int, default=4, help="lax.scan unroll (amortizes XLA's per-iteration loop cost)")
+    ap.add_argument("--independent-layers", action="store_true",
+                    help="feed every layer its own input instead of the previous layer's output (the method of the "
+                         "first measurements; lets consecutive layers' kernels overlap)")
     ap.add_argument("--parts", default="",
                     help="pairs variants to also time per kernel (VARIANT@gu, VARIANT@dn); 'prep': grouped routing prep")
     ap.add_argument("--experts", type=int, default=EXPERTS)
@@ -191,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--grouped-min-t", type=int, default=4, help="time grouped_* variants only from this T")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     args = ap.parse_args(argv)
+    chain = not args.independent_layers
     if args.quick:
         HIDDEN, INTER, EXPERTS = 256, 64, 32
         args.tokens, args.iters, args.reps, args.layers = "1,4", 2, 1, 2
@@ -268,7 +277,8 @@ def main(argv=None):
             floor_s = distinct * bytes_per_expert / bw_copy
             row = dict(tokens=t, planes=planes, distinct_experts=distinct, bytes=distinct * bytes_per_expert,
                        floor_us=floor_s * 1e6, times_us={})
-            empty = make_scan(lambda x, i, w, *wts: x * jnp.bfloat16(1.001), args.iters, args.layers, args.unroll)
+            empty = make_scan(lambda x, i, w, *wts: x * jnp.bfloat16(1.001), args.iters, args.layers, args.unroll,
+                              chain)
             te, _ = time_fn(empty, (xs, ids, ws, gu, dn), args.reps)
             row["loop_overhead_us"] = te / args.iters * 1e6
             for name in want:
@@ -288,7 +298,7 @@ def main(argv=None):
                           moe_experts_1bit(x, i, w, g, d, impl=impl, config=cfg, interpret=interpret))
                     wts = (gu, dn)
                 try:
-                    tt, _ = time_fn(make_scan(fn, args.iters, args.layers, args.unroll), (xs, ids, ws, *wts),
+                    tt, _ = time_fn(make_scan(fn, args.iters, args.layers, args.unroll, chain), (xs, ids, ws, *wts),
                                     args.reps)
                     row["times_us"][name] = tt / args.iters * 1e6
                 except Exception as ex:
@@ -300,7 +310,7 @@ def main(argv=None):
                 if planes != 1 or (t > args.pairs_max_t and not pname.endswith("prep")):
                     continue
                 try:
-                    tt, _ = time_fn(make_scan(part_fn(pname, interpret), args.iters, args.layers, args.unroll),
+                    tt, _ = time_fn(make_scan(part_fn(pname, interpret), args.iters, args.layers, args.unroll, chain),
                                     (xs, ids, ws, gu, dn, hpart), args.reps)
                     row["times_us"][pname] = tt / args.iters * 1e6
                 except Exception as ex:

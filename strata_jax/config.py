@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+# The bundled demo checkpoint (checkpoints/demo): the default model of `serve`, `generate` and the users bench.
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
+
 # HF model_type -> our family name. Multimodal wrappers carry the text model in `text_config`.
 _FAMILIES = {
     "qwen4_exp": "qwen4_exp",
@@ -256,8 +259,13 @@ class ExpertQuantization:
     planes: int = 1
     group: int = 128
     impl: str = "auto"  # kernel choice: auto | pallas | xla | reference (pallas_kernels.moe_experts_1bit)
+    # Experts per MoE layer in the device pool (the planner's `gpu_experts`); the others are computed on the host
+    # (strata_jax/host). None, or >= num_experts: every expert on the device (no host tier at all).
+    gpu_experts: int | None = None
 
     def __post_init__(self):
+        if self.gpu_experts is not None and self.gpu_experts < 1:
+            raise ValueError(f"gpu_experts must be >= 1, got {self.gpu_experts}")
         if not 1 <= self.planes <= 4:
             raise ValueError(f"planes must be 1..4, got {self.planes}")
         if self.group not in (64, 128, 256):

@@ -10,10 +10,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from strata_jax.config import ExpertQuantization, ModelConfig
 from strata_jax.model.decoder import CausalLM
+from strata_jax.model.moe import PackedExperts
 
 _FLASH_NEXT = {
     "model_type": "qwen4_exp_text",
@@ -78,12 +80,26 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def synthetic_model(cfg: ModelConfig, dtype=jnp.bfloat16, quant: ExpertQuantization | None = None, seed: int = 0):
-    """A CausalLM with random weights, every parameter created directly on the default device."""
+    """A CausalLM with random weights, every parameter created directly on the default device.
+
+    With a host expert tier (`quant.gpu_experts` < experts), each MoE layer's full expert stack is generated on the
+    device one layer at a time and moved to host RAM; its first `gpu_experts` experts fill the device pool."""
     model = nnx.eval_shape(lambda: CausalLM(cfg, dtype, quant=quant))
     key = jax.random.key(seed)
+    tiered = {p: n for p, n in nnx.iter_graph(model) if isinstance(n, PackedExperts) and n.host is not None}
     params = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.Param)]
     for i, (path, param) in enumerate(params):
+        if path[:-1] in tiered:
+            continue
         param.set_value(_random(jax.random.fold_in(key, i), tuple(param.shape), param.dtype, str(path[-1])))
+    for j, module in enumerate(tiered.values()):
+        k = jax.random.fold_in(key, len(params) + j)
+        for n, kind in enumerate(("gate_up", "down")):
+            bits, scales = getattr(module, f"{kind}_bits"), getattr(module, f"{kind}_scales")
+            e = module.num_experts
+            b = np.asarray(_random(jax.random.fold_in(k, 2 * n), (e, *bits.shape[1:]), bits.dtype, "bits"))
+            sc = np.asarray(_random(jax.random.fold_in(k, 2 * n + 1), (e, *scales.shape[1:]), scales.dtype, "scales"))
+            module.load(kind, b, sc)
     return model
 
 

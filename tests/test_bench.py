@@ -8,9 +8,15 @@ from strata_jax.bench import main
 def test_step_mode_runs(tmp_path):
     out = tmp_path / "step.json"
     assert main(["--mode", "step", "--preset", "tiny", "--slots", "1", "--ctx", "64", "--fill", "32", "--steps", "1",
-                 "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["slots"] == 1 and row["kernels"] > 0 and row["bytes_gb"] > 0 and row["device_ms"] > 0
+                 "--verify-slots", "1", "--draft-k", "3", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    decode, verify = json.loads(out.read_text())["rows"]
+    assert decode["kind"] == "decode" and decode["slots"] == 1 and decode["kernels"] > 0 and decode["device_ms"] > 0
+    assert verify["kind"] == "verify" and verify["tokens_per_slot"] == 4
+    # A 4-token window routes to more experts than one token: the floor must count them.
+    assert verify["bytes"]["experts"] > decode["bytes"]["experts"]
+    assert verify["verify_over_decode"] > 0
+    rates = verify["tok_s_at_acceptance"]
+    assert rates["0.9"] > rates["0.5"] > verify["tok_s"]
 
 
 def test_users_mode_runs(tmp_path):
@@ -20,3 +26,38 @@ def test_users_mode_runs(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["users"], r["speculation"]) for r in rows] == [(2, "none"), (2, "ngram")]
     assert all(r["aggregate_tok_s"] > 0 and r["ttft_p95_s"] >= r["ttft_p50_s"] for r in rows)
+
+
+def test_profile_summary_by_component(tmp_path):
+    """A traced tiny step: kernel time adds up per decoder component through the HLO's named scopes."""
+    from strata_jax.bench_profile import main as profile_main
+    from strata_jax.bench_profile import summarize
+
+    prof, hlo = tmp_path / "prof", tmp_path / "hlo"
+    assert main(["--mode", "step", "--preset", "tiny", "--slots", "1", "--verify-slots", "", "--ctx", "64",
+                 "--fill", "32", "--steps", "1", "--bandwidth-gib", "0.01", "--profile", str(prof),
+                 "--dump-hlo", str(hlo)]) == 0
+    (trace,) = prof.glob("decode_1/**/perfetto_trace.json.gz")
+    import gzip
+
+    rows = summarize(json.load(gzip.open(trace, "rt")), (hlo / "decode_1.hlo.txt").read_text(), steps=2)
+    names = {r[0] for r in rows}
+    # The tiny preset has Gated DeltaNet and attention layers with hyper-connections and MoE.
+    assert {"linear_layer/mixer", "attention_layer/mixer", "linear_layer/mlp", "linear_layer/hyper"} <= names
+    assert all(n > 0 and us >= 0 for _, n, us in rows)
+    assert profile_main([str(trace), str(hlo / "decode_1.hlo.txt")]) == 0
+
+
+def test_users_mode_defaults_to_the_demo_model(tmp_path):
+    from pathlib import Path
+
+    from strata_jax.config import DEMO_MODEL
+
+    """Without --model-dir or --preset the users scenario runs the bundled demo (a real tokenizer: chat prompts)."""
+    out = tmp_path / "users.json"
+    assert main(["--mode", "users", "--planes", "0", "--dtype", "float32", "--users", "1", "--prompt-tokens", "32",
+                 "--gen-tokens", "3", "--draft", "none", "--prefill-chunks", "32", "--bandwidth-gib", "0.01",
+                 "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert Path(row["model"]) == DEMO_MODEL
+    assert row["aggregate_tok_s"] > 0

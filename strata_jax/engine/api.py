@@ -89,5 +89,6 @@ class EngineProtocol(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, float]:
-        """Counters and gauges for /metrics: requests, tokens in/out, prefix-cache hit tokens, slots busy, queue."""
+        """Counters and gauges for /metrics: requests, tokens in/out, prefix-cache hit tokens, slots busy, queue; with
+        a host expert tier also `expert_gpu_hit_rate` (routed pairs served by the GPU pool) and its counters."""
         ...

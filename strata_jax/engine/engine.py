@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from strata_jax.api import LoadedModel
 from strata_jax.engine.api import GenerationRequest, PromptTooLong, TokenEvent
 from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.placement import PlacementConfig
 from strata_jax.engine.scheduler import Job, Scheduler
 from strata_jax.engine.steps import DeviceSteps
 from strata_jax.model.cache import cache_bytes
@@ -21,14 +22,19 @@ from strata_jax.model.cache import cache_bytes
 class Engine:
     """Serves one loaded model to many concurrent requests (implements `EngineProtocol`)."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, drafter=None):
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig | None = None, drafter=None,
+        placement: PlacementConfig | None = None,
+    ):
         """`drafter` (an object with `propose(history, limit) -> list[int]`) overrides `config.draft`; the
-        verify step is compiled when either is set."""
+        verify step is compiled when either is set. `placement`: hot-expert placement policy for a model with a
+        host expert tier (default: `PlacementConfig()`)."""
         self.model = model
         self.config = config or EngineConfig()
         self.tokenizer = model.tokenizer
         self.context_length = self.config.max_context
-        self._steps = DeviceSteps(model, self.config, with_verify=drafter is not None or self.config.draft != "none")
+        self._steps = DeviceSteps(model, self.config, with_verify=drafter is not None or self.config.draft != "none",
+                                  placement=placement)
         mib = cache_bytes(self._steps.cache) / 2**20
         print(
             f"engine: {self.config.slots} slots x {self.config.max_context} tokens, caches {mib:.1f} MiB on device",

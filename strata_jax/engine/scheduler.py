@@ -129,6 +129,7 @@ class Scheduler:
                 "accepted_draft_tokens_total": self.counters["accepted"],
                 "verify_steps_total": self.counters["verify_steps"],
                 "max_decode_stall_seconds": self.max_stall,
+                **self.steps.placement.stats(),  # host expert tier: GPU pool hit rate, promotions (if any)
             }
 
     # -- the loop ------------------------------------------------------------------------------------------------

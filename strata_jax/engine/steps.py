@@ -9,6 +9,7 @@ Slot indices are traced values: one compilation serves every slot.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import sys
 import time
@@ -20,10 +21,12 @@ from flax import nnx
 
 from strata_jax.api import LoadedModel
 from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
 from strata_jax.engine.sampling import sample
 from strata_jax.engine.speculative import accept
 from strata_jax.model.cache import AttentionCache, ModelCache, init_cache
 from strata_jax.model.decoder import rollback
+from strata_jax.model.moe import RoutingCounts, row_mask
 
 
 def take_slot(cache: ModelCache, slot: jax.Array) -> ModelCache:
@@ -44,7 +47,8 @@ def _prefill(mtp_k, graphdef, state, cache, slot, tokens, n_valid, next_token, r
     returned drafts guess the tokens after the sampled one."""
     model = nnx.merge(graphdef, state)
     sub = take_slot(cache, slot)
-    logits, hidden, sub = model(tokens, sub, n_valid, rows)
+    with row_mask(_first(n_valid, tokens.shape[1])):
+        logits, hidden, sub = model(tokens, sub, n_valid, rows)
     last = jax.lax.dynamic_index_in_dim(logits[0], n_valid[0] - 1, axis=0, keepdims=True)
     token = sample(last, temperature, top_k, top_p, seed, sub.lengths)
     drafts = _no_drafts(1)
@@ -52,19 +56,21 @@ def _prefill(mtp_k, graphdef, state, cache, slot, tokens, n_valid, next_token, r
         follow = jnp.where(next_token[0] >= 0, next_token[0], token[0])
         shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((1, 1), tokens.dtype)], axis=1)
         nxt = jnp.where(jnp.arange(tokens.shape[1])[None] == n_valid[0] - 1, follow, shifted)
-        drafts, sub = model.mtp_drafts(hidden, nxt, sub, n_valid, mtp_k)
-    return token[0], drafts[0], put_slot(cache, slot, sub)
+        with row_mask(_first(n_valid, tokens.shape[1])):
+            drafts, sub = model.mtp_drafts(hidden, nxt, sub, n_valid, mtp_k)
+    return token[0], drafts[0], put_slot(cache, slot, sub), nnx.state(model, RoutingCounts)
 
 
 def _decode(mtp_k, graphdef, state, cache, tokens, active, rows, temperature, top_k, top_p, seed):
     model = nnx.merge(graphdef, state)
     n_valid = active.astype(jnp.int32)
-    logits, hidden, cache = model(tokens[:, None], cache, n_valid, rows)
-    out = sample(logits[:, 0], temperature, top_k, top_p, seed, cache.lengths)
-    drafts = _no_drafts(tokens.shape[0])
-    if mtp_k:
-        drafts, cache = model.mtp_drafts(hidden, out[:, None], cache, n_valid, mtp_k)
-    return out, drafts, cache
+    with row_mask(active[:, None]):
+        logits, hidden, cache = model(tokens[:, None], cache, n_valid, rows)
+        out = sample(logits[:, 0], temperature, top_k, top_p, seed, cache.lengths)
+        drafts = _no_drafts(tokens.shape[0])
+        if mtp_k:
+            drafts, cache = model.mtp_drafts(hidden, out[:, None], cache, n_valid, mtp_k)
+    return out, drafts, cache, nnx.state(model, RoutingCounts)
 
 
 def _verify(mtp_k, graphdef, state, cache, tokens, n_valid, rows, temperature, top_k, top_p, seed):
@@ -72,7 +78,8 @@ def _verify(mtp_k, graphdef, state, cache, tokens, n_valid, rows, temperature, t
     idle slots). Returns (accepted drafts [S], emitted tokens [S, k+1], next drafts [S, mtp_k], cache rolled back
     to what was kept)."""
     model = nnx.merge(graphdef, state)
-    logits, hidden, after, replays = model.verify(tokens, cache, n_valid, rows)
+    with row_mask(_first(n_valid, tokens.shape[1])):
+        logits, hidden, after, replays = model.verify(tokens, cache, n_valid, rows)
     n_drafts = jnp.maximum(n_valid - 1, 0)
     n_acc, out = accept(logits, tokens[:, 1:], n_drafts, temperature, top_k, top_p, seed, cache.lengths)
     n_keep = jnp.where(n_valid > 0, 1 + n_acc, 0)
@@ -80,8 +87,26 @@ def _verify(mtp_k, graphdef, state, cache, tokens, n_valid, rows, temperature, t
     drafts = _no_drafts(tokens.shape[0])
     if mtp_k:
         # The kept positions' hidden states paired with the tokens that followed them: accepted drafts + bonus.
-        drafts, cache = model.mtp_drafts(hidden, out, cache, n_keep, mtp_k)
-    return n_acc, out, drafts, cache
+        with row_mask(_first(n_keep, tokens.shape[1])):
+            drafts, cache = model.mtp_drafts(hidden, out, cache, n_keep, mtp_k)
+    return n_acc, out, drafts, cache, nnx.state(model, RoutingCounts)
+
+
+def _first(n_valid: jax.Array, width: int) -> jax.Array:
+    """[B, width] bool: the first n_valid[b] positions of each row (the real tokens: MoE routing counts and host
+    expert work skip the rest)."""
+    return jnp.arange(width)[None, :] < n_valid[:, None]
+
+
+def on_weight_leaves(step, mtp_k: int, graphdef, treedef):
+    """`step(mtp_k, graphdef, state, ...)` as a function of the weights' flat list of arrays. The host flattens
+    a jitted function's arguments on every call: ~1400 nnx.State leaves of a 48-layer model cost ~3 ms per step on
+    an H200's host (docs/PERF.md), a flat list a fraction of that."""
+
+    def run(weights: list[jax.Array], *rest):
+        return step(mtp_k, graphdef, jax.tree_util.tree_unflatten(treedef, weights), *rest)
+
+    return run
 
 
 def _reset(cache: ModelCache, slot):
@@ -106,10 +131,21 @@ def _reset(cache: ModelCache, slot):
 
 
 class DeviceSteps:
-    """Owns the slot cache and the compiled functions that advance it."""
+    """Owns the slot cache and the compiled functions that advance it.
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, with_verify: bool = False):
+    `warm_up` compiles every step function ahead of time, all at once on a thread pool (XLA compiles outside the
+    GIL, so a 48-layer model's prefill, decode and verify compile side by side), and keeps the executables: from
+    then on a call runs the executable compiled for its shapes. Before warm-up (tests) calls compile on first use.
+    """
+
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, with_verify: bool = False,
+        placement: PlacementConfig | None = None,
+    ):
+        """`placement`: the hot-expert placement policy (used when the model has a host expert tier)."""
         self.model = model
+        self.placement = ExpertPlacement(model.state, model.graphdef, placement)
+        self.placement.warm_up()
         self.config = config
         self.with_verify = with_verify or config.draft != "none"
         g = model.graphdef
@@ -118,9 +154,13 @@ class DeviceSteps:
         if self.mtp_k and not model.has_mtp:
             raise ValueError("draft='mtp' needs a checkpoint with MTP weights (mtp.*)")
         self.cache = self._new_cache()
-        self._prefill = jax.jit(functools.partial(_prefill, self.mtp_k, g), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(_decode, self.mtp_k, g), donate_argnums=(1,))
-        self._verify = jax.jit(functools.partial(_verify, self.mtp_k, g), donate_argnums=(1,))
+        treedef = jax.tree_util.tree_structure(model.state)
+        self._jitted = {
+            name: jax.jit(on_weight_leaves(step, self.mtp_k, g, treedef), donate_argnums=(1,))
+            for name, step in (("prefill", _prefill), ("decode", _decode), ("verify", _verify))
+        }
+        self._weight_leaves: list[jax.Array] | None = None
+        self._compiled: dict[tuple[str, int], object] = {}
         self._reset = jax.jit(_reset, donate_argnums=(0,))
         self._read = jax.jit(take_slot)
         self._write = jax.jit(put_slot, donate_argnums=(0,))
@@ -129,30 +169,54 @@ class DeviceSteps:
     def _rows(self, rows: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
         return tuple(jnp.asarray(r, self.model.dtype) for r in rows)
 
+    def _weights(self) -> list[jax.Array]:
+        """The model's weights as the flat list of arrays the step functions take. Flattened once: with a host
+        expert tier every step, since placement rewrites pool arrays and counters in the State between steps."""
+        if self.placement.active:
+            return jax.tree_util.tree_leaves(self.model.state)
+        if self._weight_leaves is None:
+            self._weight_leaves = jax.tree_util.tree_leaves(self.model.state)
+        return self._weight_leaves
+
+    def _run(self, name: str, width: int, args: tuple):
+        """Runs step `name` (window `width`) on the executable warm-up compiled, else through jit."""
+        fn = self._compiled.get((name, width)) or self._jitted[name]
+        *out, counts = fn(self._weights(), self.cache, *args)
+        self.placement.store_counts(counts)  # routing counts stay on the device; no sync
+        if name != "prefill":
+            self.placement.tick()  # between steps: every N steps, may move hot experts into the pool
+        return tuple(out)
+
+    def _prefill_args(self, slot, tokens, n_valid, next_token, rows, sampling) -> tuple:
+        temperature, top_k, top_p, seed = sampling
+        return (
+            jnp.int32(slot), jnp.asarray(tokens, jnp.int32), jnp.asarray([n_valid], jnp.int32),
+            jnp.asarray([next_token], jnp.int32), self._rows(rows), jnp.asarray([temperature], jnp.float32),
+            jnp.asarray([top_k], jnp.int32), jnp.asarray([top_p], jnp.float32), jnp.asarray([seed], jnp.uint32),
+        )
+
+    def _batch_args(self, tokens, mask, rows, sampling, mask_dtype) -> tuple:
+        temperature, top_k, top_p, seed = sampling
+        return (
+            jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, mask_dtype), self._rows(rows),
+            jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
+            jnp.asarray(seed, jnp.uint32),
+        )
+
     def prefill(
         self, slot: int, tokens: np.ndarray, n_valid: int, next_token: int, rows, sampling: tuple
     ) -> tuple[int, np.ndarray]:
         """Runs one prompt chunk (tokens [1, C]) of `slot`; returns the token sampled after its last real one and,
         with MTP drafting, the drafts that follow it. `next_token`: the prompt token after the chunk, or -1."""
-        temperature, top_k, top_p, seed = sampling
-        token, drafts, self.cache = self._prefill(
-            self.model.state, self.cache, jnp.int32(slot), jnp.asarray(tokens, jnp.int32),
-            jnp.asarray([n_valid], jnp.int32), jnp.asarray([next_token], jnp.int32), self._rows(rows),
-            jnp.asarray([temperature], jnp.float32), jnp.asarray([top_k], jnp.int32),
-            jnp.asarray([top_p], jnp.float32), jnp.asarray([seed], jnp.uint32),
-        )
+        args = self._prefill_args(slot, tokens, n_valid, next_token, rows, sampling)
+        token, drafts, self.cache = self._run("prefill", tokens.shape[1], args)
         return int(token), np.asarray(drafts)
 
     def decode(
         self, tokens: np.ndarray, active: np.ndarray, rows, sampling: tuple[np.ndarray, ...]
     ) -> tuple[np.ndarray, np.ndarray]:
         """One token for every slot (tokens/active [S]); returns the sampled tokens [S] and MTP drafts [S, k]."""
-        temperature, top_k, top_p, seed = sampling
-        out, drafts, self.cache = self._decode(
-            self.model.state, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(active),
-            self._rows(rows), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-            jnp.asarray(top_p, jnp.float32), jnp.asarray(seed, jnp.uint32),
-        )
+        out, drafts, self.cache = self._run("decode", 1, self._batch_args(tokens, active, rows, sampling, bool))
         return np.asarray(out), np.asarray(drafts)
 
     def verify(
@@ -160,12 +224,8 @@ class DeviceSteps:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Checks every slot's drafts (tokens [S, k+1], n_valid [S]); returns (accepted counts, tokens [S, k+1],
         MTP drafts for the next step [S, k])."""
-        temperature, top_k, top_p, seed = sampling
-        n_acc, out, drafts, self.cache = self._verify(
-            self.model.state, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32),
-            self._rows(rows), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-            jnp.asarray(top_p, jnp.float32), jnp.asarray(seed, jnp.uint32),
-        )
+        args = self._batch_args(tokens, n_valid, rows, sampling, jnp.int32)
+        n_acc, out, drafts, self.cache = self._run("verify", tokens.shape[1], args)
         return np.asarray(n_acc), np.asarray(out), np.asarray(drafts)
 
     def _new_cache(self) -> ModelCache:
@@ -186,30 +246,45 @@ class DeviceSteps:
     def write(self, slot: int, sub: ModelCache) -> None:
         self.cache = self._write(self.cache, jnp.int32(slot), sub)
 
-    def warm_up(self) -> float:
-        """Compiles every function once on dummy data; returns the seconds it took. Prints progress."""
-        started = time.monotonic()
-        s = self.config.slots
-        steps = [f"prefill[{c}]" for c in self.config.prefill_chunks] + ["decode", "reset/read/write"]
+    def _warm_up_jobs(self) -> list[tuple[str, int, tuple]]:
+        """(step, window, dummy arguments) for every shape traffic will use."""
+        s, rows = self.config.slots, lambda b, t: tuple(np.zeros((b, t, d), np.float32) for d in self.ple_dims)
+        z = np.zeros(s)
+        batch_sampling = (z, z, z + 1, z)
+        jobs = [
+            ("prefill", c, self._prefill_args(0, np.zeros((1, c), np.int32), 1, -1, rows(1, c), (0.0, 0, 1.0, 0)))
+            for c in self.config.prefill_chunks
+        ]
+        jobs.append(("decode", 1, self._batch_args(np.zeros(s, np.int32), np.zeros(s, bool), rows(s, 1),
+                                                   batch_sampling, bool)))
         if self.with_verify:
-            steps.append(f"verify[{self.config.draft_k + 1}]")
-        zeros_rows = lambda b, t: tuple(np.zeros((b, t, d), np.float32) for d in self.ple_dims)  # noqa: E731
-        greedy1 = (0.0, 0, 1.0, 0)
-        for i, name in enumerate(steps, 1):
-            print(f"warm-up: compiling {name} ({i}/{len(steps)})", file=sys.stderr, flush=True)
-            if name.startswith("prefill"):
-                c = self.config.prefill_chunks[i - 1]
-                self.prefill(0, np.zeros((1, c), np.int32), 1, -1, zeros_rows(1, c), greedy1)
-            elif name == "decode":
-                z = np.zeros(s)
-                self.decode(np.zeros(s, np.int32), np.zeros(s, bool), zeros_rows(s, 1), (z, z, z + 1, z))
-            elif name.startswith("verify"):
-                z, w = np.zeros(s), self.config.draft_k + 1
-                self.verify(np.zeros((s, w), np.int32), np.zeros(s, np.int32), zeros_rows(s, w), (z, z, z + 1, z))
-            else:
-                self.write(0, self.read(0))
-                self.reset(0)
+            w = self.config.draft_k + 1
+            jobs.append(("verify", w, self._batch_args(np.zeros((s, w), np.int32), np.zeros(s, np.int32),
+                                                       rows(s, w), batch_sampling, jnp.int32)))
+        return jobs
+
+    def warm_up(self) -> float:
+        """Compiles every step function ahead of time, in parallel; returns the seconds it took. Prints progress."""
+        started = time.monotonic()
+        jobs = self._warm_up_jobs()
+        names = ", ".join(name if name == "decode" else f"{name}[{w}]" for name, w, _ in jobs)
+        print(f"warm-up: compiling {len(jobs)} step functions in parallel ({names}) ...", file=sys.stderr, flush=True)
+
+        def compile_one(job):
+            name, width, args = job
+            t0 = time.monotonic()
+            compiled = self._jitted[name].lower(self._weights(), self.cache, *args).compile()
+            print(f"warm-up: {name}[{width}] compiled in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+            return (name, width), compiled
+
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            self._compiled.update(pool.map(compile_one, jobs))
+        for name, width, args in jobs:  # one real run each: the first call of an executable has its own costs
+            out = self._run(name, width, args)
+            self.cache = out[-1]
+        self.write(0, self.read(0))
+        self.reset(0)
         jax.block_until_ready(self.cache)
         elapsed = time.monotonic() - started
-        print(f"warm-up: compiled {len(steps)} step functions in {elapsed:.1f}s", file=sys.stderr, flush=True)
+        print(f"warm-up: {len(jobs) + 3} step functions ready in {elapsed:.1f}s", file=sys.stderr, flush=True)
         return elapsed

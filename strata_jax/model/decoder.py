@@ -63,20 +63,30 @@ class DecoderLayer(nnx.Module):
         ple_rows: jax.Array | None,
         with_replay: bool = False,
     ) -> tuple[jax.Array, LayerCache, LayerReplay | None]:
+        # Named scopes label the compiled kernels (HLO op_name), so a profile can be read by component.
         ple_cache = cache.ple
         ple_in = None
         if self.ple is not None:
-            h, ple_cache, ple_in = self.ple(h, ple_rows, cache.ple, n_valid)
+            with jax.named_scope("ple"):
+                h, ple_cache, ple_in = self.ple(h, ple_rows, cache.ple, n_valid)
         if self.cfg.hyper_connections:
-            x, w = self.attn_hyper_connection(h)
-            out, mixer_cache, replay = self._mix(x, cache, start, n_valid, with_replay)
-            h = inject(h, out, w)
-            x, w = self.mlp_hyper_connection(h)
-            h = inject(h, self.mlp(x), w)
+            with jax.named_scope("hyper"):
+                x, w = self.attn_hyper_connection(h)
+            with jax.named_scope("mixer"):
+                out, mixer_cache, replay = self._mix(x, cache, start, n_valid, with_replay)
+            with jax.named_scope("hyper"):
+                h = inject(h, out, w)
+                x, w = self.mlp_hyper_connection(h)
+            with jax.named_scope("mlp"):
+                y = self.mlp(x)
+            with jax.named_scope("hyper"):
+                h = inject(h, y, w)
         else:
-            out, mixer_cache, replay = self._mix(self.input_layernorm(h), cache, start, n_valid, with_replay)
+            with jax.named_scope("mixer"):
+                out, mixer_cache, replay = self._mix(self.input_layernorm(h), cache, start, n_valid, with_replay)
             h = h + out
-            h = h + self.mlp(self.post_attention_layernorm(h))
+            with jax.named_scope("mlp"):
+                h = h + self.mlp(self.post_attention_layernorm(h))
         layer_replay = LayerReplay(mixer=replay, ple=ple_in) if with_replay else None
         return h, LayerCache(mixer=mixer_cache, ple=ple_cache), layer_replay
 
@@ -133,7 +143,8 @@ class TextModel(nnx.Module):
         new_layers, replays = [], []
         for i, layer in enumerate(self.layers):
             rows = ple_rows[cfg.ple_layers.index(i)] if i in cfg.ple_layers else None
-            h, layer_cache, replay = layer(h, cache.layers[i], start, n_valid, rows, with_replay)
+            with jax.named_scope("linear_layer" if layer.linear else "attention_layer"):
+                h, layer_cache, replay = layer(h, cache.layers[i], start, n_valid, rows, with_replay)
             new_layers.append(layer_cache)
             replays.append(replay)
         if cfg.hyper_connections:

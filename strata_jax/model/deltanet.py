@@ -31,10 +31,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     def step(s, inputs):
         q_t, k_t, v_t, g_t, b_t = inputs
         s = s * jnp.exp(g_t)[..., None, None]
-        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        # Reductions over Dk written as multiply + sum, not einsum: a dot_general over the state's second-minor
+        # axis makes XLA transpose the whole state first (80 us per layer at 32 slots on an H200), while a
+        # column reduction reads it in place and fuses with the decay.
+        kv_mem = jnp.sum(s * k_t[..., :, None], axis=-2)
         delta = (v_t - kv_mem) * b_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        return s, jnp.sum(s * q_t[..., :, None], axis=-2)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     state, out = jax.lax.scan(step, state, xs)

@@ -1,21 +1,77 @@
-"""Sparse MoE block: softmax router, top-k (renormalised), routed experts and a sigmoid-gated shared expert."""
+"""Sparse MoE block: softmax router, top-k (renormalised), routed experts and a sigmoid-gated shared expert.
+
+Packed experts may be split between a fixed-size device pool and the host (`ExpertQuantization.gpu_experts`):
+see `PackedExperts` and checkpoints/README.md, "Host tier".
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 from flax import nnx
 
 from pallas_kernels import PackedWeights, moe_experts_1bit
 from strata_jax.config import ExpertQuantization, ModelConfig
+from strata_jax.host.tier import HostTier
 from strata_jax.model.layers import MLP, Linear, silu
 from strata_jax.model.params import empty_param
 
+# Which rows of the current step are real tokens (bool [rows]), set by the caller around a model call so that
+# padding and idle slots neither count as routing nor cost host work. Only read while tracing.
+_ROW_MASK: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("moe_row_mask", default=None)
 
-def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Router logits [N, E] -> (expert ids [N, k] int32, weights [N, k] float32)."""
+
+@contextlib.contextmanager
+def row_mask(mask: jax.Array | None):
+    """Marks the real tokens of the model call made inside: mask [B, T] bool, matching the call's tokens.
+    MoE layers whose input has another number of rows (e.g. chained MTP drafts) treat every row as real."""
+    token = _ROW_MASK.set(None if mask is None else mask.reshape(-1))
+    try:
+        yield
+    finally:
+        _ROW_MASK.reset(token)
+
+
+def _valid_rows(n: int) -> jax.Array:
+    mask = _ROW_MASK.get()
+    if mask is None or mask.shape[0] != n:
+        return jnp.ones((n,), bool)
+    return mask
+
+
+class ExpertSlots(nnx.Variable):
+    """int32 [E]: the device pool slot of each expert, -1 for experts computed on the host."""
+
+
+class RoutingCounts(nnx.Variable):
+    """int32 [E]: routed (real token, expert) pairs per expert since the engine last read and cleared them."""
+
+
+# Standard deviation of the Gumbel distribution: standardized logits times this, plus log p, select experts
+# roughly as sampling k of them from p without replacement (the Gumbel-top-k trick with Gaussian noise).
+_GUMBEL_STD = 1.2825
+
+
+def route(
+    logits: jax.Array, top_k: int, normalize: bool, bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Router logits [N, E] -> (expert ids [N, k] int32, weights [N, k] float32).
+
+    `bias` [E] (benchmarks only, see `RoutingBias`) changes which experts are selected, not their weights: the
+    selection score is the token's standardized logits x 1.28 + bias, so bias = log p routes like a sample from p."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
+    if bias is None:
+        weights, ids = jax.lax.top_k(probs, top_k)
+    else:
+        lf = logits.astype(jnp.float32)
+        z = (lf - lf.mean(-1, keepdims=True)) / (lf.std(-1, keepdims=True) + 1e-6)
+        _, ids = jax.lax.top_k(z * _GUMBEL_STD + bias.astype(jnp.float32), top_k)
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return ids.astype(jnp.int32), weights
@@ -63,21 +119,85 @@ class Experts(nnx.Module):
 
 
 class PackedExperts(nnx.Module):
-    """Routed experts as packed sign bit-planes + bf16 group scales, multiplied by `pallas_kernels`."""
+    """Routed experts as packed sign bit-planes + bf16 group scales, multiplied by `pallas_kernels`.
+
+    With `quant.gpu_experts` below the number of experts, the four arrays hold a device pool of that many expert
+    slots, `slot_of` maps experts to slots (-1: on the host) and `host` keeps every expert's packed bytes in host
+    memory. A step then runs the pool's pairs through the kernel (host pairs weighted 0 there) and all host pairs of
+    the layer through one host callback, and counts routing per expert in `counts` (for hot-expert placement).
+    Without a pool the code path is exactly the all-on-device one."""
 
     def __init__(self, cfg: ModelConfig, quant: ExpertQuantization):
         e, i, h, p, g = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, quant.planes, quant.group
         self.quant = quant
-        self.gate_up_bits = empty_param((e, p, h // 32, 2 * i), jnp.uint32)
-        self.gate_up_scales = empty_param((e, p, -(-h // g), 2 * i), jnp.bfloat16)
-        self.down_bits = empty_param((e, p, i // 32, h), jnp.uint32)
-        self.down_scales = empty_param((e, p, -(-i // g), h), jnp.bfloat16)
+        self.num_experts = e
+        pool = e if quant.gpu_experts is None else min(e, quant.gpu_experts)
+        self.pool_size = pool
+        self.gate_up_bits = empty_param((pool, p, h // 32, 2 * i), jnp.uint32)
+        self.gate_up_scales = empty_param((pool, p, -(-h // g), 2 * i), jnp.bfloat16)
+        self.down_bits = empty_param((pool, p, i // 32, h), jnp.uint32)
+        self.down_scales = empty_param((pool, p, -(-i // g), h), jnp.bfloat16)
+        self.host = HostTier(g) if pool < e else None
+        if self.host is not None:
+            slots = jnp.where(jnp.arange(e) < pool, jnp.arange(e), -1).astype(jnp.int32)
+            self.slot_of = ExpertSlots(slots)
+            self.counts = RoutingCounts(jnp.zeros((e,), jnp.int32))
+
+    def load(self, kind: str, bits, scales) -> None:
+        """Sets `kind` ("gate_up" / "down") from all E experts' packed numpy arrays: the whole stack on the device,
+        or, with a host tier, every expert kept on the host and the initial pool (experts 0..pool-1) on the device."""
+        if self.host is None:
+            getattr(self, f"{kind}_bits").set_value(jnp.asarray(bits))
+            getattr(self, f"{kind}_scales").set_value(jnp.asarray(scales))
+            return
+        bits, scales = np.asarray(bits), np.asarray(scales)
+        if scales.dtype != ml_dtypes.bfloat16:
+            scales = scales.astype(ml_dtypes.bfloat16)
+        self.host.set(f"{kind}_bits", bits)
+        self.host.set(f"{kind}_scales", scales)
+        getattr(self, f"{kind}_bits").set_value(jnp.asarray(bits[: self.pool_size]))
+        getattr(self, f"{kind}_scales").set_value(jnp.asarray(scales[: self.pool_size]))
+        # Built abstractly (nnx.eval_shape) like the parameters: make the map and the counters concrete too.
+        e = self.num_experts
+        self.slot_of.set_value(jnp.asarray(np.where(np.arange(e) < self.pool_size, np.arange(e), -1), jnp.int32))
+        self.counts.set_value(jnp.zeros((e,), jnp.int32))
 
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
         g = self.quant.group
         gate_up = PackedWeights(self.gate_up_bits[...], self.gate_up_scales[...], g)
         down = PackedWeights(self.down_bits[...], self.down_scales[...], g)
-        return moe_experts_1bit(x, ids, weights, gate_up, down, impl=self.quant.impl)
+        if self.host is None:
+            return moe_experts_1bit(x, ids, weights, gate_up, down, impl=self.quant.impl)
+        valid = _valid_rows(x.shape[0])
+        self.counts[...] = self.counts[...] + jnp.zeros((self.num_experts,), jnp.int32).at[ids].add(
+            jnp.broadcast_to(valid[:, None], ids.shape).astype(jnp.int32))
+        slot = self.slot_of[...][ids]
+        on_device = slot >= 0
+        device = moe_experts_1bit(x, jnp.where(on_device, slot, 0), jnp.where(on_device, weights, 0.0), gate_up,
+                                  down, impl=self.quant.impl)
+        on_host = ~on_device & valid[:, None]
+        out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+
+        def host_pairs():
+            return jax.pure_callback(self.host.compute, out, x.astype(jnp.float32), ids, weights.astype(jnp.float32),
+                                     on_host, vmap_method="sequential")
+
+        # The round trip (~330 us on the GPU probe) only when a pair of this layer is on the host.
+        host = jax.lax.cond(jnp.any(on_host), host_pairs, lambda: jnp.zeros(x.shape, jnp.float32))
+        return (device.astype(jnp.float32) + host).astype(x.dtype)
+
+
+class RoutingBias(nnx.Variable):
+    """float32 [E]: an optional selection bias of a `Router` (see `route`). No checkpoint has one: benchmarks attach
+    it (`add_routing_bias`) to give synthetic weights a skewed (e.g. Zipf) routing; changing it never recompiles."""
+
+
+def add_routing_bias(model: nnx.Module) -> int:
+    """Attaches a zero `RoutingBias` to every MoE router of `model`; returns how many."""
+    routers = [node for _, node in nnx.iter_graph(model) if isinstance(node, Router)]
+    for router in routers:
+        router.bias = RoutingBias(jnp.zeros((router.weight.shape[0],), jnp.float32))
+    return len(routers)
 
 
 class Router(nnx.Module):
@@ -99,7 +219,8 @@ class SparseMoe(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        ids, weights = route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        bias = self.gate.bias[...] if hasattr(self.gate, "bias") else None
+        ids, weights = route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, bias)
         routed = self.experts(flat, ids, weights)
         shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).reshape(shape)

@@ -161,8 +161,8 @@ def restore_params(model: nnx.Module, path: Path) -> None:
                 if n not in arrays:
                     raise CheckpointError(f"tensor {n!r} not found in {target}")
             if isinstance(node, PackedExperts):
-                for k in ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales"):
-                    getattr(node, k).set_value(jnp.asarray(arrays[f"{name}.{k}"]))
+                for k in ("gate_up", "down"):
+                    node.load(k, arrays[f"{name}.{k}_bits"], arrays[f"{name}.{k}_scales"])
             else:
                 arr = arrays[name]
                 if tuple(arr.shape) != tuple(node.shape):

@@ -89,8 +89,7 @@ def fill_params(model: nnx.Module, cfg: ModelConfig, reader: CheckpointReader, d
         for kind, shape in (("gate_up", (e, 2 * i, h)), ("down", (e, h, i))):
             dense = _read(reader, cfg, f"{base}.{kind}_proj", shape)
             pk = quantize_experts(dense.astype(np.float32), group=q.group, planes=q.planes)
-            getattr(module, f"{kind}_bits").set_value(jnp.asarray(pk.bits))
-            getattr(module, f"{kind}_scales").set_value(jnp.asarray(pk.scales))
+            module.load(kind, pk.bits, pk.scales)
         progress.step()
     progress.done()
 

@@ -1,0 +1,91 @@
+"""`python -m strata_jax.bench_profile TRACE HLO`: where a compiled step's device time goes, by model component.
+
+TRACE is the Perfetto trace (`perfetto_trace.json.gz`) that `python -m strata_jax.bench --mode step --profile DIR`
+writes; HLO is the same step's compiled HLO text (`--dump-hlo DIR`). Every kernel event of the trace names the HLO
+instruction it ran (`args.hlo_op`); the instruction's `op_name` carries the named scopes the decoder puts around
+each part of a layer (`linear_layer` / `attention_layer`, then `ple`, `hyper`, `mixer`, `mlp`), so kernel time
+adds up per component. Prints kernels and microseconds per traced step for each component.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from collections import defaultdict
+
+_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"')
+_LAYER = re.compile(r"(linear_layer|attention_layer)")
+_PART = re.compile(r"/(ple|hyper|mixer|mlp)/")
+
+
+def component(op_name: str, instruction: str) -> str:
+    """'linear_layer/mixer', 'attention_layer/mlp', ..., or 'other' (embedding, LM head, sampling, glue)."""
+    layer = _LAYER.search(op_name)
+    if not layer:
+        return "other"
+    part = _PART.search(op_name[layer.end():] + "/")
+    name = f"{layer.group(1)}/{part.group(1) if part else 'rest'}"
+    if part and part.group(1) == "mlp" and "pallas" in instruction:
+        name += " (1-bit expert kernels)"
+    return name
+
+
+def op_components(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> component, from the instructions' op_name metadata."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _OP_NAME.match(line)
+        if m:
+            out[m.group(1)] = component(m.group(2), m.group(1))
+    return out
+
+
+def kernel_events(trace: dict) -> list[dict]:
+    """Device kernel events (those naming an HLO instruction) of a Perfetto/Chrome trace."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in processes.items() if "GPU" in name or "device" in name.lower()}
+    out = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    on_device = [e for e in out if e["pid"] in device]
+    return on_device or out
+
+
+def summarize(trace: dict, hlo_text: str, steps: int) -> list[tuple[str, int, float]]:
+    """(component, kernels per step, microseconds per step), largest first."""
+    comps = op_components(hlo_text)
+    kernels: dict[str, int] = defaultdict(int)
+    micros: dict[str, float] = defaultdict(float)
+    for e in kernel_events(trace):
+        name = comps.get(e["args"]["hlo_op"], "other")
+        kernels[name] += 1
+        micros[name] += float(e.get("dur", 0.0))
+    rows = [(name, round(kernels[name] / steps), micros[name] / steps) for name in kernels]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m strata_jax.bench_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="perfetto_trace.json.gz written by `bench --mode step --profile DIR`")
+    p.add_argument("hlo", help="the step's HLO text written by `bench --mode step --dump-hlo DIR`")
+    p.add_argument("--steps", type=int, default=2, help="steps the trace holds (bench --profile traces 2)")
+    args = p.parse_args(argv)
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        trace = json.load(f)
+    with open(args.hlo) as f:
+        rows = summarize(trace, f.read(), args.steps)
+    total = sum(r[2] for r in rows)
+    print("| component | kernels per step | us per step | share |")
+    print("| --- | --- | --- | --- |")
+    for name, n, us in rows:
+        print(f"| {name} | {n} | {us:.0f} | {us / total:.0%} |")
+    print(f"| all kernels | {sum(r[1] for r in rows)} | {total:.0f} | 100% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

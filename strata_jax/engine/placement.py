@@ -1,0 +1,181 @@
+"""Hot-expert placement: which experts of each MoE layer occupy the device pool (the others run on the host).
+
+The step functions count routed (real token, expert) pairs per layer and expert on the device (`RoutingCounts`,
+returned with every step: no extra host sync). Every `every` steps the engine thread reads and clears them (one
+small device-to-host copy), folds them into a decaying usage score, and swaps the hottest host experts with the
+coldest pool residents: at most `max_swaps` per layer per round, and only when the newcomer is `margin` times
+hotter (hysteresis, so that near-ties do not ping-pong). A swap copies the expert's packed bytes from host RAM into
+the freed slot with one jitted, donated scatter per layer (fixed shapes: compiled once, at warm-up) and rewrites
+the layer's expert->slot map. Outputs do not change: a pair computes the same function on either side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strata_jax.model.moe import PackedExperts
+
+_KINDS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    """every: steps between rounds (0: never move experts, only count). max_swaps: experts promoted per layer per
+    round (bounds the bytes copied, hence the pause). decay: weight of the previous score in each round's update.
+    margin: a host expert is promoted only when its score exceeds margin x the evicted resident's."""
+
+    every: int = 32
+    max_swaps: int = 8
+    decay: float = 0.5
+    margin: float = 1.25
+
+    def __post_init__(self):
+        if self.every < 0 or self.max_swaps < 1 or not 0.0 <= self.decay < 1.0 or self.margin < 1.0:
+            raise ValueError(f"invalid placement config {self}")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_pool(pool: tuple[jax.Array, ...], slots: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """pool[i][slots[m]] = rows[i][m]; slots past the pool's end are padding and dropped."""
+    return tuple(a.at[slots].set(r, mode="drop") for a, r in zip(pool, rows))
+
+
+@dataclasses.dataclass
+class _Layer:
+    path: tuple
+    module: PackedExperts
+    leaves: dict  # name -> the nnx Variable in the model's state (shared with every step's input)
+    slot_of: np.ndarray  # int32 [E]
+    expert_in: np.ndarray  # int64 [pool]
+    score: np.ndarray  # float64 [E]
+
+
+class ExpertPlacement:
+    """The host side of the expert tier of one loaded model: counts, hit rate, promotions. Every method but
+    `stats()` (any thread: /metrics) runs on the engine thread, between steps."""
+
+    def __init__(self, state: nnx.State, graphdef, config: PlacementConfig | None = None):
+        self.config = config or PlacementConfig()
+        model = nnx.merge(graphdef, state)
+        flat = dict(nnx.to_flat_state(state))  # path -> the Variable objects of `state` (shared, not copies)
+        self._leaves = flat
+        self.layers: list[_Layer] = []
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, PackedExperts) and node.host is not None:
+                leaves = {k: flat[path + (k,)] for k in _KINDS + ("slot_of", "counts")}
+                slot_of = np.asarray(leaves["slot_of"].get_value()).astype(np.int32)
+                expert_in = np.full(node.pool_size, -1, np.int64)
+                expert_in[slot_of[slot_of >= 0]] = np.flatnonzero(slot_of >= 0)
+                self.layers.append(_Layer(path, node, leaves, slot_of, expert_in, np.zeros(node.num_experts)))
+        self._steps = 0
+        self._lock = threading.Lock()
+        self._pairs = 0
+        self._hits = 0
+        self._promotions = 0
+        self._rounds = 0
+        self._round_seconds = 0.0
+
+    @property
+    def active(self) -> bool:
+        """Whether the model has a host tier at all."""
+        return bool(self.layers)
+
+    def store_counts(self, counts: nnx.State) -> None:
+        """Takes the counters a step returned (device arrays; no sync)."""
+        for path, var in nnx.to_flat_state(counts):
+            self._leaves[path].set_value(var.get_value() if isinstance(var, nnx.Variable) else var)
+
+    def tick(self) -> None:
+        """Called after every step: runs a round every `config.every` steps."""
+        self._steps += 1
+        if self.active and self.config.every and self._steps % self.config.every == 0:
+            self.round()
+
+    def round(self, place: bool = True) -> int:
+        """Reads and clears the counters, updates hit statistics and scores and (with `place`) promotes hot host
+        experts. Returns the number of experts moved."""
+        started = time.perf_counter()
+        with self._lock:  # stats() adds the pending counts: take them and fold them into the totals atomically
+            counts = [np.asarray(layer.leaves["counts"].get_value()) for layer in self.layers]
+            for layer, c in zip(self.layers, counts):
+                layer.leaves["counts"].set_value(jnp.zeros_like(layer.leaves["counts"].get_value()))
+                self._pairs += int(c.sum())
+                self._hits += int(c[layer.slot_of >= 0].sum())
+        moved = 0
+        for layer, c in zip(self.layers, counts):
+            layer.score = self.config.decay * layer.score + c
+            if place:
+                moved += self._place(layer)
+        with self._lock:
+            self._promotions += moved
+            self._rounds += 1
+            self._round_seconds += time.perf_counter() - started
+        return moved
+
+    def _place(self, layer: _Layer) -> int:
+        cfg, score = self.config, layer.score
+        host = np.flatnonzero(layer.slot_of < 0)
+        resident = np.flatnonzero(layer.slot_of >= 0)
+        hot = host[np.argsort(-score[host], kind="stable")][: cfg.max_swaps]
+        cold = resident[np.argsort(score[resident], kind="stable")][: cfg.max_swaps]
+        swaps = [(h, c) for h, c in zip(hot, cold) if score[h] > 0 and score[h] > cfg.margin * score[c]]
+        if not swaps:
+            return 0
+        self.move(layer, [int(h) for h, _ in swaps], [int(layer.slot_of[c]) for _, c in swaps])
+        return len(swaps)
+
+    def move(self, layer: _Layer, experts: list[int], slots: list[int]) -> None:
+        """Copies `experts` (from host RAM) into pool `slots` of `layer`, evicting what was there."""
+        m = self.config.max_swaps
+        pad_slots = np.full(m, layer.module.pool_size, np.int32)  # out of range: dropped
+        pad_slots[: len(slots)] = slots
+        pad_experts = np.zeros(m, np.int64)
+        pad_experts[: len(experts)] = experts
+        rows = tuple(jnp.asarray(layer.module.host.get(k)[pad_experts]) for k in _KINDS)
+        pool = tuple(layer.leaves[k].get_value() for k in _KINDS)
+        new = _write_pool(pool, jnp.asarray(pad_slots), rows)
+        for k, arr in zip(_KINDS, new):
+            layer.leaves[k].set_value(arr)
+        with self._lock:
+            for e, s in zip(experts, slots):
+                old = layer.expert_in[s]
+                if old >= 0:
+                    layer.slot_of[old] = -1
+                layer.slot_of[e] = s
+                layer.expert_in[s] = e
+        layer.leaves["slot_of"].set_value(jnp.asarray(layer.slot_of))
+
+    def warm_up(self) -> None:
+        """Compiles the pool update (a no-op write) so that the first round does not stall on compilation."""
+        if self.layers:
+            self.move(self.layers[0], [], [])
+
+    def stats(self) -> dict[str, float]:
+        """For /metrics: routed pairs, pairs served by the device pool, its hit rate, promotions, rounds."""
+        if not self.active:
+            return {}
+        with self._lock:
+            # Plus the counts since the last round (the expert map has not changed since): a small device read.
+            pairs, hits = self._pairs, self._hits
+            for layer in self.layers:
+                c = np.asarray(layer.leaves["counts"].get_value())
+                pairs += int(c.sum())
+                hits += int(c[layer.slot_of >= 0].sum())
+            return {
+                "expert_pairs_total": pairs,
+                "expert_gpu_pairs_total": hits,
+                "expert_gpu_hit_rate": hits / pairs if pairs else 0.0,
+                "expert_promotions_total": self._promotions,
+                "expert_placement_rounds_total": self._rounds,
+                "expert_placement_seconds_total": self._round_seconds,
+                "expert_pool_size": self.layers[0].module.pool_size,
+                "experts_per_layer": self.layers[0].module.num_experts,
+            }

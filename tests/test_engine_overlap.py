@@ -1,0 +1,114 @@
+"""Overlapped decode (`EngineConfig.overlap_steps`): step n+1 is launched on step n's tokens before the host reads
+them. On a model without PLE (the qwen3_next fixture) outputs must equal the plain API's greedy tokens, stops must
+land on the right token, the end-of-request snapshot must be exact, and cancelling must not disturb the others."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import strata_jax
+from conftest import FIXTURES
+from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+CTX = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    return strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next")
+
+
+def _engine(model, overlap: bool) -> Engine:
+    eng = Engine(model, EngineConfig(slots=3, max_context=CTX, prefill_chunks=(8, 32), snapshot_every=32,
+                                     overlap_steps=overlap))
+    eng.start()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = _engine(model, overlap=True)
+    yield eng
+    eng.shutdown()
+
+
+def _prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.random.default_rng(seed).integers(0, 500, n))
+
+
+async def _collect(engine, prompt, delay=0.0, **sampling):
+    await asyncio.sleep(delay)
+    params = SamplingParams(**{"max_tokens": 10, "ignore_eos": True, **sampling})
+    stream = await engine.submit(GenerationRequest(prompt, params))
+    return [ev async for ev in stream]
+
+
+def _tokens(events):
+    return [ev.token_id for ev in events if ev.token_id is not None]
+
+
+def test_overlapped_decode_equals_the_plain_api(engine, model):
+    prompts = [_prompt(i, n) for i, n in enumerate((3, 40, 17, 9))]  # 4 requests on 3 slots: one queues
+    before = engine._scheduler.counters["overlapped_steps"]
+
+    async def run():
+        together = await asyncio.gather(*[_collect(engine, p, max_tokens=6 + 3 * i) for i, p in enumerate(prompts)])
+        staggered = await asyncio.gather(*[_collect(engine, p, delay=0.1 * i) for i, p in enumerate(prompts)])
+        return together, staggered
+
+    together, staggered = asyncio.run(run())
+    for i, (p, a, b) in enumerate(zip(prompts, together, staggered)):
+        assert _tokens(a) == model.generate(list(p), 6 + 3 * i, stop_at_eos=False)
+        assert _tokens(b) == model.generate(list(p), 10, stop_at_eos=False)
+        assert a[-1].finish_reason == "length" and a[-1].completion_tokens == 6 + 3 * i
+    assert engine._scheduler.counters["overlapped_steps"] > before  # the overlapped path really ran
+
+
+def test_stop_token_mid_stream(engine, model):
+    p = _prompt(11, 12)
+    want = model.generate(list(p), 10, stop_at_eos=False)
+    stop = want[4]
+    events = asyncio.run(_collect(engine, p, stop_token_ids=(stop,)))
+    got = _tokens(events)
+    assert got == want[: want.index(stop) + 1] and events[-1].finish_reason == "stop"
+
+
+def test_end_of_request_snapshot_is_exact(engine, model):
+    first = _prompt(20, 40)
+    answer = _tokens(asyncio.run(_collect(engine, first)))
+    follow = first + tuple(answer) + _prompt(21, 6)
+    events = asyncio.run(_collect(engine, follow))
+    # The overlapped step fed the answer's last token too: the snapshot holds the whole exchange.
+    assert events[0].cached_tokens == len(first) + len(answer)
+    assert _tokens(events) == model.generate(list(follow), 10, stop_at_eos=False)
+
+
+def test_cancelling_one_request_leaves_the_others_exact(engine, model):
+    keep = [_prompt(30, 25), _prompt(31, 8)]
+
+    async def run():
+        stream = await engine.submit(GenerationRequest(_prompt(32, 10), SamplingParams(max_tokens=60,
+                                                                                        ignore_eos=True)))
+        others = asyncio.gather(*[_collect(engine, p, max_tokens=20) for p in keep])
+        async for ev in stream:
+            if ev.completion_tokens >= 3:
+                break
+        await stream.aclose()
+        return await others
+
+    results = asyncio.run(run())
+    for p, events in zip(keep, results):
+        assert _tokens(events) == model.generate(list(p), 20, stop_at_eos=False)
+
+
+def test_overlap_off_takes_the_plain_path(model):
+    eng = _engine(model, overlap=False)
+    try:
+        p = _prompt(40, 15)
+        assert _tokens(asyncio.run(_collect(eng, p))) == model.generate(list(p), 10, stop_at_eos=False)
+        assert eng._scheduler.counters["overlapped_steps"] == 0
+    finally:
+        eng.shutdown()
