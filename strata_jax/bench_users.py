@@ -131,7 +131,8 @@ def run_users(args) -> list[dict]:
         for users in args.users:
             builtin = draft in ("none", "ngram", "mtp")
             config = EngineConfig(slots=users, max_context=ctx, prefill_chunks=args.prefill_chunks, prefix_cache_mib=0,
-                                  draft=draft if builtin else "none", draft_k=args.draft_k)
+                                  draft=draft if builtin else "none", draft_k=args.draft_k,
+                                  overlap_steps=not args.no_overlap)
             engine = Engine(model, config, drafter=None if builtin else _draft_model(draft, model, config, args))
             engine.start()
             try:
@@ -199,6 +200,9 @@ def users_args(p) -> None:
                    help="drafter for the speculation-on rows: none, ngram (default), mtp, or a draft model's "
                         "checkpoint DIR (same tokenizer, no PLE; e.g. from `python -m strata_jax.weights.layer_draft`)")
     p.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read every decode step's tokens back before launching the next (EngineConfig.overlap_steps "
+                        "off), to measure what overlapping buys")
     p.add_argument("--prefill-chunks", default="64,256",
                    type=lambda v: tuple(int(c) for c in v.split(",")),
                    help="the engine's prefill chunk sizes (each is one compiled function; default 64,256)")

@@ -53,6 +53,7 @@ def _tokens(events):
 def test_overlapped_decode_equals_the_plain_api(engine, model):
     prompts = [_prompt(i, n) for i, n in enumerate((3, 40, 17, 9))]  # 4 requests on 3 slots: one queues
     before = engine._scheduler.counters["overlapped_steps"]
+    generated_before = engine.stats()["generated_tokens_total"]
 
     async def run():
         together = await asyncio.gather(*[_collect(engine, p, max_tokens=6 + 3 * i) for i, p in enumerate(prompts)])
@@ -65,6 +66,9 @@ def test_overlapped_decode_equals_the_plain_api(engine, model):
         assert _tokens(b) == model.generate(list(p), 10, stop_at_eos=False)
         assert a[-1].finish_reason == "length" and a[-1].completion_tokens == 6 + 3 * i
     assert engine._scheduler.counters["overlapped_steps"] > before  # the overlapped path really ran
+    # The token an overlapped step computes after a request stopped is dropped, not counted or sent.
+    delivered = sum(len(_tokens(events)) for events in together + staggered)
+    assert engine.stats()["generated_tokens_total"] - generated_before == delivered
 
 
 def test_stop_token_mid_stream(engine, model):

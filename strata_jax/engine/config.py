@@ -17,6 +17,10 @@ class EngineConfig:
     drafts miss 3 verify windows in a row decodes plainly for the next 8 steps (then drafts again).
     cache_dtype: dtype of KV and conv caches ("bfloat16" / "float32"; None = the model's dtype). Gated DeltaNet
     recurrent state is always float32.
+    overlap_steps: while every running request just decodes (no drafter, no PLE layers, nothing to admit or
+    prefill), launch step n+1 on step n's sampled tokens, still on the device, before reading them back: the host's
+    per-step work (launch, read-back, stop checks, events) then overlaps the device's. A request that stops at step
+    n has had one more token computed, which is discarded.
     """
 
     slots: int = 4
@@ -28,6 +32,7 @@ class EngineConfig:
     draft: str = "none"
     draft_k: int = 4
     adaptive_draft: bool = True
+    overlap_steps: bool = True
 
     def __post_init__(self):
         if self.slots < 1:

@@ -60,6 +60,16 @@ class Job:
         return self.pos < len(self.prompt)
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A decode step launched but not read back yet (`overlap_steps`): its device output and the jobs it ran."""
+
+    out: object  # jax.Array [S], on the device
+    jobs: list[Job]
+    active: np.ndarray
+    sampling: tuple[np.ndarray, ...]
+
+
 class Scheduler:
     """Runs the device loop. All public methods are thread-safe."""
 
@@ -84,6 +94,11 @@ class Scheduler:
         self._last_decode = 0.0
         self.counters = collections.Counter()
         self.max_stall = 0.0
+        # Overlapped decode needs next-step inputs that live on the device: no host drafter, no PLE rows.
+        self._can_overlap = (
+            config.overlap_steps and drafter is None and config.draft == "none" and not model.config.ple_layers
+        )
+        self._in_flight: _InFlight | None = None
 
     # -- control -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -128,6 +143,7 @@ class Scheduler:
                 "draft_tokens_total": self.counters["drafted"],
                 "accepted_draft_tokens_total": self.counters["accepted"],
                 "verify_steps_total": self.counters["verify_steps"],
+                "overlapped_steps_total": self.counters["overlapped_steps"],
                 "max_decode_stall_seconds": self.max_stall,
                 **self.steps.placement.stats(),  # host expert tier: GPU pool hit rate, promotions (if any)
             }
@@ -158,6 +174,8 @@ class Scheduler:
             job.emit(TokenEvent(None, finish_reason="cancelled"))
 
     def _iteration(self, cancelled: set[str]) -> None:
+        if self._in_flight is not None and (cancelled or self._admission_pending() or not self._may_overlap()):
+            self._land()
         for job in list(self._slots):
             if job is not None and job.request.request_id in cancelled:
                 self._finish(job, "cancelled", snapshot=False)
@@ -167,8 +185,67 @@ class Scheduler:
         if prefilling:
             self._prefill_chunk(prefilling[0])
         decoding = [j for j in self._slots if j is not None and not j.prefilling]
-        if decoding:
+        if decoding and self._may_overlap():
+            self._decode_overlapped(decoding)
+        elif decoding:
             self._decode(decoding)
+
+    # -- overlapped decode ----------------------------------------------------------------------------------------
+    def _admission_pending(self) -> bool:
+        with self._cond:
+            return bool(self._queue) and any(j is None for j in self._slots)
+
+    def _may_overlap(self) -> bool:
+        """Every running request decodes, and (with a step in flight) each ran in it: the next step's tokens are
+        the in-flight step's output, still on the device."""
+        if not self._can_overlap:
+            return False
+        running = [j for j in self._slots if j is not None]
+        if not running or any(j.prefilling for j in running):
+            return False
+        return self._in_flight is None or all(j in self._in_flight.jobs for j in running)
+
+    def _decode_overlapped(self, jobs: list[Job]) -> None:
+        """Launches the next decode step, then reads back and hands out the one launched before it (if any)."""
+        s = self.config.slots
+        active = np.zeros(s, bool)
+        for job in jobs:
+            active[job.slot] = True
+        previous = self._in_flight
+        if previous is None:
+            tokens = np.zeros(s, np.int32)
+            temperature, top_k, top_p, seed = np.zeros(s), np.zeros(s), np.ones(s), np.zeros(s)
+            for job in jobs:
+                tokens[job.slot] = job.last_token
+                temperature[job.slot], top_k[job.slot], top_p[job.slot], seed[job.slot] = self._sampling(job)
+            sampling = (temperature, top_k, top_p, seed)
+        else:
+            tokens, sampling = previous.out, previous.sampling  # inactive slots are masked: stale values are fine
+        out = self.steps.decode_on_device(tokens, active, sampling)
+        self.counters["decode_steps"] += 1
+        for job in jobs:
+            job.consumed += 1
+        self._in_flight = _InFlight(out, jobs, active, sampling)
+        if previous is not None:
+            self.counters["overlapped_steps"] += 1
+            self._hand_out(previous)
+
+    def _land(self) -> None:
+        """Reads back the step in flight (before anything that needs the host to be in step with the device)."""
+        previous, self._in_flight = self._in_flight, None
+        self._hand_out(previous)
+
+    def _hand_out(self, step: _InFlight) -> None:
+        out = np.asarray(step.out)
+        now = time.monotonic()
+        if self._last_decode:
+            self.max_stall = max(self.max_stall, now - self._last_decode)
+        self._last_decode = now
+        for job in step.jobs:
+            if self._slots[job.slot] is job:  # else it finished at the step before: this token is discarded
+                self._accept(job, int(out[job.slot]))
+        if not any(j is not None and not j.prefilling for j in self._slots):
+            self._last_decode = 0.0
 
     def _admit(self) -> None:
         while True:
@@ -382,6 +459,8 @@ class Scheduler:
         # The state should hold the prompt and every generated token but the last (not fed back yet); after a
         # stop inside an accepted draft run it holds more, and then it is not a snapshot of any known prefix.
         tokens = job.prompt + tuple(job.generated[:-1])
+        if job.consumed == len(tokens) + 1:  # an overlapped step has fed the last token too
+            tokens = job.prompt + tuple(job.generated)
         if snapshot and job.generated and not job.prefilling and job.consumed == len(tokens):
             self.prefix_cache.insert(tokens, self.steps.read(job.slot))
         with self._cond:
@@ -397,4 +476,5 @@ class Scheduler:
             with self._cond:
                 self._slots[job.slot] = None
         self.steps.recover()
+        self._in_flight = None
         self._last_decode = 0.0

@@ -219,6 +219,12 @@ class DeviceSteps:
         out, drafts, self.cache = self._run("decode", 1, self._batch_args(tokens, active, rows, sampling, bool))
         return np.asarray(out), np.asarray(drafts)
 
+    def decode_on_device(self, tokens, active: np.ndarray, sampling: tuple[np.ndarray, ...]) -> jax.Array:
+        """`decode` for a model without PLE that leaves its result on the device: tokens [S] may be the device
+        array a previous call returned. Returns the sampled tokens [S] as a device array (nothing is synced)."""
+        out, _, self.cache = self._run("decode", 1, self._batch_args(tokens, active, (), sampling, bool))
+        return out
+
     def verify(
         self, tokens: np.ndarray, n_valid: np.ndarray, rows, sampling: tuple[np.ndarray, ...]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
