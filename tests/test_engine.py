@@ -10,6 +10,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
+from engine_helpers import collect, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, PromptTooLong, SamplingParams
 
 CTX = 160
@@ -28,19 +29,7 @@ def engine(model):
     eng.shutdown()
 
 
-def _prompt(seed: int, n: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in np.random.default_rng(seed).integers(0, 500, n))
-
-
-async def _collect(engine, prompt, delay=0.0, **sampling):
-    await asyncio.sleep(delay)
-    params = SamplingParams(**{"max_tokens": 8, "ignore_eos": True, **sampling})
-    stream = await engine.submit(GenerationRequest(prompt, params))
-    return [ev async for ev in stream]
-
-
-def _tokens(events):
-    return [ev.token_id for ev in events if ev.token_id is not None]
+_prompt, _collect, _tokens = random_prompt, collect, tokens
 
 
 def test_batched_equals_alone_together_and_staggered(engine, model):

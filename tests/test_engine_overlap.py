@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 import strata_jax
 from conftest import FIXTURES
+from engine_helpers import collect, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 CTX = 128
@@ -35,19 +35,11 @@ def engine(model):
     eng.shutdown()
 
 
-def _prompt(seed: int, n: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in np.random.default_rng(seed).integers(0, 500, n))
+_prompt, _tokens = random_prompt, tokens
 
 
 async def _collect(engine, prompt, delay=0.0, **sampling):
-    await asyncio.sleep(delay)
-    params = SamplingParams(**{"max_tokens": 10, "ignore_eos": True, **sampling})
-    stream = await engine.submit(GenerationRequest(prompt, params))
-    return [ev async for ev in stream]
-
-
-def _tokens(events):
-    return [ev.token_id for ev in events if ev.token_id is not None]
+    return await collect(engine, prompt, delay, **{"max_tokens": 10, **sampling})
 
 
 def test_overlapped_decode_equals_the_plain_api(engine, model):
