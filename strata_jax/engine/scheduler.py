@@ -66,7 +66,6 @@ class _InFlight:
 
     out: object  # jax.Array [S], on the device
     jobs: list[Job]
-    active: np.ndarray
     sampling: tuple[np.ndarray, ...]
 
 
@@ -225,7 +224,7 @@ class Scheduler:
         self.counters["decode_steps"] += 1
         for job in jobs:
             job.consumed += 1
-        self._in_flight = _InFlight(out, jobs, active, sampling)
+        self._in_flight = _InFlight(out, jobs, sampling)
         if previous is not None:
             self.counters["overlapped_steps"] += 1
             self._hand_out(previous)
