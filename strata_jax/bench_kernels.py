@@ -43,6 +43,7 @@ VARIANTS = {
     "auto": ("pallas", None),  # the default per-T choice of pallas_kernels.default_config
     "pairs": ("pallas", KernelConfig(schedule="pairs")),
     "pairs_k8": ("pallas", KernelConfig(schedule="pairs", bkw1=8, bkw2=4)),
+    "pairs_k8_split": ("pallas", KernelConfig(schedule="pairs", bkw1=8, bkw2=4, split_pairs=True)),
     "pairs_n64_k2": ("pallas", KernelConfig(schedule="pairs", bn1=64, bkw1=2, bn2=64, bkw2=2)),
     "pairs_sel": ("pallas", KernelConfig(schedule="pairs", unpack="select")),
     "pairs_vpu": ("pallas", KernelConfig(schedule="pairs", compute="vpu", bn1=32, bkw1=1, bn2=32, bkw2=1)),
@@ -180,7 +181,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--planes", default="1,2")
-    ap.add_argument("--variants", default="xla,bf16,auto,pairs_k8,grouped_n64_w2",
+    ap.add_argument("--variants", default="xla,bf16,auto,pairs_k8,pairs_k8_split,grouped_n64_w2",
                     help="comma list of: bf16, " + ", ".join(VARIANTS))
     ap.add_argument("--planes2-variants", default="xla,auto",
                     help="variants timed for planes > 1")

@@ -84,6 +84,7 @@ def test_jnp_paths_match_float64(case, impl):
 
 PALLAS_CONFIGS = {
     "pairs": pk.KernelConfig(schedule="pairs"),
+    "pairs_split": pk.KernelConfig(schedule="pairs", split_pairs=True),
     "pairs_select_k1": pk.KernelConfig(schedule="pairs", unpack="select", bkw1=1, bkw2=1, bn1=16, bn2=16),
     "pairs_vpu": pk.KernelConfig(schedule="pairs", compute="vpu", bkw1=2, bkw2=1),
     "pairs_mma2d": pk.KernelConfig(schedule="pairs", compute="mma2d", bkw1=2),
@@ -189,7 +190,7 @@ def test_gpu_real_lowering(planes):
         w = rng.random((t, k)).astype(np.float32)
         x = jax.random.normal(jax.random.fold_in(kx, t), (t, hidden), jnp.float32)
         ref = np.asarray(ref_fn(x, ids, w, gu, dn), np.float64)
-        for name in ("auto", "pairs", "pairs_2d", "pairs_v2d_n64", "grouped", "grouped_2d"):
+        for name in ("auto", "pairs", "pairs_k8_split", "pairs_2d", "pairs_v2d_n64", "grouped", "grouped_2d"):
             impl, cfg = VARIANTS[name]  # "auto": pallas_kernels.default_config(T)
             f = jax.jit(lambda *a, cfg=cfg: pk.moe_experts_1bit(*a, impl="pallas", config=cfg, poison=True))
             y = np.asarray(f(x.astype(jnp.bfloat16), ids, w, gu, dn), np.float32)
