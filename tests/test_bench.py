@@ -61,3 +61,48 @@ def test_users_mode_defaults_to_the_demo_model(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert Path(row["model"]) == DEMO_MODEL
     assert row["aggregate_tok_s"] > 0
+
+
+def test_kernel_count_reads_the_entry_computation():
+    """Instructions inside fused computations are not launches; loop bodies count once; an async pair is one."""
+    from strata_jax.floors import count_kernels, kernel_ops
+
+    hlo = """HloModule m
+
+%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %m = f32[4]{0} multiply(%p0, %p1)
+  %d = f32[4]{0} dot(%m, %p1), lhs_contracting_dims={}, rhs_contracting_dims={}
+  %r = f32[4]{0} reduce(%d, %p1), dimensions={}, to_apply=%fused_add
+  ROOT %a = f32[4]{0} add(%r, %p1)
+}
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %f = f32[4]{0} fusion(%x, %x), kind=kLoop, calls=%fused_add
+  %i = s32[] get-tuple-element(%s), index=0
+  ROOT %t = (s32[], f32[4]) tuple(%i, %f)
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]) parameter(0)
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY %main (a: f32[4], /*index=1*/b: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %f1 = f32[4]{0} fusion(%a, %b), kind=kLoop, calls=%fused_add
+  %cc = f32[4]{0} custom-call(%f1), custom_call_target="__gpu$xla.gpu.triton"
+  %st = ((f32[4]), f32[4]) fusion-start(%cc), calls=%fused_add
+  %dn = f32[4]{0} fusion-done(%st)
+  %z = s32[] constant(0)
+  %tup = (s32[], f32[4]) tuple(%z, %dn)
+  %w = (s32[], f32[4]) while(%tup), condition=%cond, body=%body
+  ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+    assert kernel_ops(hlo) == {"fusion": 2, "custom-call": 1, "fusion-start": 1}
+    assert count_kernels(hlo) == 4
