@@ -74,50 +74,37 @@ def get_number(body: dict[str, Any], key: str, default: Any, *, minimum: float |
     return float(value)
 
 
+def _get_typed(body: dict[str, Any], key: str, default: Any, path: str, kind: type, label: str) -> Any:
+    """A field of JSON type `label` (Python `kind`); `default` when absent or null, required when `_MISSING`."""
+    value = body.get(key)
+    name = path + key
+    if value is None:
+        if default is _MISSING:
+            raise invalid_request(f"{name}: field required", name)
+        return default
+    if not isinstance(value, kind):
+        raise invalid_request(f"{name}: expected {label}, got {_type_name(value)}", name)
+    return value
+
+
 def get_bool(body: dict[str, Any], key: str, default: bool, *, path: str = "") -> bool:
     """A boolean field; `default` when absent or null."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid_request(f"{path}{key}: expected a boolean, got {_type_name(value)}", path + key)
-    return value
+    return _get_typed(body, key, default, path, bool, "a boolean")
 
 
 def get_str(body: dict[str, Any], key: str, default: Any = _MISSING, *, path: str = "") -> Any:
     """A string field; `default` when absent or null (required when no default)."""
-    value = body.get(key)
-    name = path + key
-    if value is None:
-        if default is _MISSING:
-            raise invalid_request(f"{name}: field required", name)
-        return default
-    if not isinstance(value, str):
-        raise invalid_request(f"{name}: expected a string, got {_type_name(value)}", name)
-    return value
+    return _get_typed(body, key, default, path, str, "a string")
 
 
 def get_list(body: dict[str, Any], key: str, default: Any = _MISSING, *, path: str = "") -> Any:
     """A list field; `default` when absent or null (required when no default)."""
-    value = body.get(key)
-    name = path + key
-    if value is None:
-        if default is _MISSING:
-            raise invalid_request(f"{name}: field required", name)
-        return default
-    if not isinstance(value, list):
-        raise invalid_request(f"{name}: expected an array, got {_type_name(value)}", name)
-    return value
+    return _get_typed(body, key, default, path, list, "an array")
 
 
 def get_dict(body: dict[str, Any], key: str, default: Any = None, *, path: str = "") -> Any:
     """An object field; `default` when absent or null."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, dict):
-        raise invalid_request(f"{path}{key}: expected an object, got {_type_name(value)}", path + key)
-    return value
+    return _get_typed(body, key, default, path, dict, "an object")
 
 
 def get_stop_strings(body: dict[str, Any], key: str) -> tuple[str, ...]:

@@ -131,3 +131,30 @@ QWEN3_CODER_TEMPLATE = r"""{%- macro render_value(v) -%}
 {%- endif %}
 {%- endif %}
 """
+
+
+def tokenizer_config(token_to_id, model_max_length: int) -> dict:
+    """Qwen3-style tokenizer_config.json contents for a tokenizer holding SPECIAL_TOKENS (`token_to_id`: its
+    `tokenizers.Tokenizer.token_to_id`), with the Qwen3-Coder chat template."""
+    decoder = {
+        str(token_to_id(t)): {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"],
+        "bos_token": None,
+        "chat_template": QWEN3_CODER_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": model_max_length,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }

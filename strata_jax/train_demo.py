@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from strata_jax.chat_template import QWEN3_CODER_TEMPLATE, SPECIAL_TOKENS
+from strata_jax.chat_template import QWEN3_CODER_TEMPLATE, SPECIAL_TOKENS, tokenizer_config
 
 VOCAB_SIZE = 3072  # including the special tokens (at the end)
 # Copied from transformers' Qwen2Tokenizer so both libraries tokenize identically.
@@ -638,36 +638,12 @@ def _add_specials(tok) -> None:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
 
 
-def tokenizer_config(tok) -> dict:
-    decoder = {
-        str(tok.token_to_id(t)): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True,
-        }
-        for t in SPECIAL_TOKENS
-    }
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": decoder,
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"],
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 4096,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-
-
 def write_tokenizer(tok, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(json.dumps(json.loads(tok.to_str()), ensure_ascii=False, indent=1) + "\n",
                                         encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok), ensure_ascii=False, indent=2) + "\n",
+    config = tokenizer_config(tok.token_to_id, 4096)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n",
                                                encoding="utf-8")
 
 

@@ -455,13 +455,13 @@ class Scheduler:
 
     def _finish(self, job: Job, reason: FinishReason, snapshot: bool, final: TokenEvent | None = None) -> None:
         """Frees the job's slot (after snapshotting it for the prefix cache), then sends its last event."""
-        # The state should hold the prompt and every generated token but the last (not fed back yet); after a
-        # stop inside an accepted draft run it holds more, and then it is not a snapshot of any known prefix.
-        tokens = job.prompt + tuple(job.generated[:-1])
-        if job.consumed == len(tokens) + 1:  # an overlapped step has fed the last token too
-            tokens = job.prompt + tuple(job.generated)
-        if snapshot and job.generated and not job.prefilling and job.consumed == len(tokens):
-            self.prefix_cache.insert(tokens, self.steps.read(job.slot))
+        # The state holds the first `consumed` tokens of the sequence: every generated token but the last (not fed
+        # back yet), or all of them when an overlapped step or an accepted draft run fed the last one too. A stop
+        # inside an accepted draft run leaves it past the sequence: then it is not a snapshot of any known prefix.
+        seq = job.prompt + tuple(job.generated)
+        fed = len(seq) - 1 <= job.consumed <= len(seq)
+        if snapshot and job.generated and not job.prefilling and fed:
+            self.prefix_cache.insert(seq[: job.consumed], self.steps.read(job.slot))
         with self._cond:
             if 0 <= job.slot < len(self._slots) and self._slots[job.slot] is job:
                 self._slots[job.slot] = None
