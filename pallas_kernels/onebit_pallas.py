@@ -27,9 +27,11 @@ sign position and xored onto the bit pattern of the scale) or a compare/select (
 then one ``jnp.dot`` with the matching ``[bm, 32*bkw]`` slice of x (bf16 operands, f32
 accumulation). ``compute="vpu"`` replaces the dot with f32 FMAs (pairs schedule only).
 
-Measured on an H200 (docs/PERF.md, "1-bit MoE kernel"): 22 us per layer at T = 1 (pairs), 45 us
-at T = 8 and 158 us at T = 64 (grouped), 36-51% of the memory floor; the unpack (integer ALU), not
-memory, bounds it. ``default_config(T)`` picks the measured-best schedule and tiles.
+Measured on an H200 with chained layers (docs/PERF.md, "1-bit MoE kernel"): 49 us per layer at T = 1 (pairs),
+153 us at T = 8 and 575 us at T = 64 (grouped), 5-15% of the memory floor. Neither memory nor the integer unpack
+bounds it: a TF32 variant (twice the unpacked tile's bytes) is 2x slower and dropping the bf16 conversion changes
+little, which points at the unpacked tile's round trip through shared memory into the MMA operand layout.
+``default_config(T)`` picks the measured-best schedule and tiles.
 
 Triton constraints honoured here (interpret mode does not check them): all block shapes are powers
 of two; dot operands are >= 16 in every dimension (bm = 16, bn >= 16, K step = 32*bkw >= 32); both
@@ -61,19 +63,24 @@ class KernelConfig:
     bkw2: int = 4  # down: packed words per K step
     num_warps: int = 4
     num_stages: int = 3
-    compute: str = "mma"  # "mma" | "mma2d" (jnp.dot) | "vpu" | "vpu2d" (f32 FMA; pairs only)
-    unpack: str = "xor"  # "xor" | "select"
+    # "mma" | "mma2d" (bf16 jnp.dot) | "mma_tf32" (the unpacked float32 tile straight into a TF32 dot: no
+    # float32 -> bf16 conversion per weight) | "vpu" | "vpu2d" (f32 FMA; pairs only)
+    compute: str = "mma"
+    # "xor" | "select" | "xor16" (xor, then the bf16 operand taken as the float32's high half by a shift: exact,
+    # since the scales are bf16, and no conversion instruction; 1 plane, compute="mma" only)
+    unpack: str = "xor"
     # pairs: one down program per (pair, column block), partial sums added by XLA, instead of one per (token,
     # column block) walking its k experts in turn (at T = 1: 10x the programs, 1/10 of the serial loads each).
     split_pairs: bool = False
 
 
 DEFAULT_CONFIG = KernelConfig()
-# Measured on an H200 (docs/PERF.md, "1-bit MoE kernel"): the pairs schedule with 8-word K steps is
-# best at T <= 2, the grouped schedule with 64-column tiles and 2 warps per program from T = 4 up.
-DEFAULT_PAIRS = KernelConfig(schedule="pairs", bn1=32, bkw1=8, bn2=32, bkw2=4)
-DEFAULT_GROUPED = KernelConfig(schedule="grouped", bn1=64, bkw1=4, bn2=64, bkw2=4, num_warps=2)
-PAIRS_MAX_TOKENS = 2
+# Measured on an H200 with chained layers (docs/PERF.md, "1-bit MoE kernel", sweep of 2026-11-29 20:15 UTC): the
+# pairs schedule with one down program per pair and 2 warps is best up to T = 4 (1.7x the walking down kernel at
+# T = 1-2), the grouped schedule with 128-column tiles and 4 warps from T = 8 (2-4% over 64 columns, 2 warps).
+DEFAULT_PAIRS = KernelConfig(schedule="pairs", bn1=32, bkw1=4, bn2=32, bkw2=4, num_warps=2, split_pairs=True)
+DEFAULT_GROUPED = KernelConfig(schedule="grouped", bn1=128, bkw1=4, bn2=128, bkw2=4, num_warps=4)
+PAIRS_MAX_TOKENS = 4
 
 
 def default_config(tokens: int) -> KernelConfig:
@@ -103,14 +110,18 @@ def _signed_scales(words, sc, unpack: str):
 
 
 def _tile_values(bits_ref, sc_ref, e, w0, n0, *, planes, bkw, bn, wpg, unpack):
-    """Sum over planes of the signed scales of a [32*bkw, bn] weight tile (float32, [bkw, 32, bn])."""
+    """Sum over planes of the signed scales of a [32*bkw, bn] weight tile ([bkw, 32, bn]; float32, or bf16 for
+    ``unpack="xor16"`` with one plane)."""
     gidx = lax.div(w0 + lax.broadcasted_iota(jnp.int32, (bkw,), 0), jnp.int32(wpg))
     v = None
     for p in range(planes):
         words = bits_ref[e, p, pl.ds(w0, bkw), pl.ds(n0, bn)]
         sc = sc_ref[e, p, gidx, pl.ds(n0, bn)].astype(jnp.float32)
-        vp = _signed_scales(words, sc, unpack)
+        vp = _signed_scales(words, sc, "xor" if unpack == "xor16" else unpack)
         v = vp if v is None else v + vp
+    if unpack == "xor16" and planes == 1:
+        hi = lax.convert_element_type(lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16), jnp.uint16)
+        return lax.bitcast_convert_type(hi, jnp.bfloat16)
     return v
 
 
@@ -145,10 +156,12 @@ def _mma_loop(load_x, bits_ref, sc_ref, e, n0s, *, n_steps, bm, bn, bkw, planes,
     def body(it, accs):
         w0 = it * bkw
         accs = list(accs)
-        if compute == "mma":
-            xt = load_x(w0 * WORD_BITS, bkw * WORD_BITS).astype(jnp.bfloat16)
+        if compute in ("mma", "mma_tf32"):
+            # Pallas' Triton lowering runs a float32 x float32 dot at its default precision as TF32.
+            dt = jnp.float32 if compute == "mma_tf32" else jnp.bfloat16
+            xt = load_x(w0 * WORD_BITS, bkw * WORD_BITS).astype(dt)
             for c, n0 in enumerate(n0s):
-                v = tile(e, w0, n0).reshape(bkw * WORD_BITS, bn).astype(jnp.bfloat16)
+                v = tile(e, w0, n0).reshape(bkw * WORD_BITS, bn).astype(dt)
                 accs[c] = accs[c] + jnp.dot(xt, v, preferred_element_type=jnp.float32)
         else:
             for i in range(bkw):
@@ -420,7 +433,7 @@ def moe_experts_1bit_pallas(
         return jnp.sum(parts.reshape(t, k, -1), axis=1).astype(x.dtype)
     if schedule != "grouped":
         raise ValueError(f"unknown schedule {schedule!r}")
-    if cfg.compute not in ("mma", "mma2d"):  # the vpu forms handle one row per block only
+    if cfg.compute not in ("mma", "mma2d", "mma_tf32"):  # the vpu forms handle one row per block only
         cfg = dataclasses.replace(cfg, compute="mma2d" if cfg.compute == "vpu2d" else "mma")
     blocks = group_pairs(expert_ids, gate_up.num_experts, cfg.bm)
     h = gate_up_grouped(x, blocks, gate_up, cfg, interpret=interpret, poison=poison)

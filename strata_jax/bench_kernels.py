@@ -44,6 +44,13 @@ VARIANTS = {
     "pairs": ("pallas", KernelConfig(schedule="pairs")),
     "pairs_k8": ("pallas", KernelConfig(schedule="pairs", bkw1=8, bkw2=4)),
     "pairs_k8_split": ("pallas", KernelConfig(schedule="pairs", bkw1=8, bkw2=4, split_pairs=True)),
+    "pairs_k8_split_tf32": ("pallas", KernelConfig(schedule="pairs", bkw1=8, bkw2=4, split_pairs=True,
+                                                   compute="mma_tf32")),
+    "pairs_k8_split_x16": ("pallas", KernelConfig(schedule="pairs", bkw1=8, bkw2=4, split_pairs=True, unpack="xor16")),
+    "pairs_n16_k8_split": ("pallas", KernelConfig(schedule="pairs", bn1=16, bkw1=8, bn2=16, bkw2=4, split_pairs=True)),
+    "pairs_k4_split_w2": ("pallas", KernelConfig(schedule="pairs", bkw1=4, bkw2=4, split_pairs=True, num_warps=2)),
+    "pairs_k4_split_w2_x16": ("pallas", KernelConfig(schedule="pairs", bkw1=4, bkw2=4, split_pairs=True, num_warps=2,
+                                                     unpack="xor16")),
     "pairs_n64_k2": ("pallas", KernelConfig(schedule="pairs", bn1=64, bkw1=2, bn2=64, bkw2=2)),
     "pairs_sel": ("pallas", KernelConfig(schedule="pairs", unpack="select")),
     "pairs_vpu": ("pallas", KernelConfig(schedule="pairs", compute="vpu", bn1=32, bkw1=1, bn2=32, bkw2=1)),
@@ -63,6 +70,13 @@ VARIANTS = {
     "grouped_n64_s4": ("pallas", KernelConfig(schedule="grouped", bn1=64, bn2=64, num_stages=4)),
     "grouped_n64_w8": ("pallas", KernelConfig(schedule="grouped", bn1=64, bn2=64, num_warps=8)),
     "grouped_n64_w2": ("pallas", KernelConfig(schedule="grouped", bn1=64, bn2=64, num_warps=2)),
+    "grouped_n64_w2_tf32": ("pallas", KernelConfig(schedule="grouped", bn1=64, bn2=64, num_warps=2, compute="mma_tf32")),
+    "grouped_n64_w2_x16": ("pallas", KernelConfig(schedule="grouped", bn1=64, bn2=64, num_warps=2, unpack="xor16")),
+    "grouped_n64_w4_tf32": ("pallas", KernelConfig(schedule="grouped", bn1=64, bn2=64, num_warps=4, compute="mma_tf32")),
+    "grouped_n32_w2": ("pallas", KernelConfig(schedule="grouped", bn1=32, bn2=32, num_warps=2)),
+    "grouped_n128_w4": ("pallas", KernelConfig(schedule="grouped", bn1=128, bn2=128, num_warps=4)),
+    "grouped_n128_w4_x16": ("pallas", KernelConfig(schedule="grouped", bn1=128, bn2=128, num_warps=4, unpack="xor16")),
+    "grouped_n64_k2_w2": ("pallas", KernelConfig(schedule="grouped", bn1=64, bkw1=2, bn2=64, bkw2=2, num_warps=2)),
     "grouped_2d": ("pallas", KernelConfig(schedule="grouped", compute="mma2d")),
     "grouped_2d_n64": ("pallas", KernelConfig(schedule="grouped", compute="mma2d", bn1=64, bn2=64)),
     "grouped_2d_n128": ("pallas", KernelConfig(schedule="grouped", compute="mma2d", bn1=128, bn2=128, num_warps=8)),
@@ -123,16 +137,19 @@ def bf16_layer(x, ids, w, gu, dn):
     return jnp.einsum("tkh,tk->th", y, w).astype(x.dtype)
 
 
-def make_scan(layer_fn, iters, layers, unroll=1, chain=True):
-    """`iters` layers in a jitted scan, layer i using expert copy i % layers. With `chain`, layer i+1's input
-    depends on layer i's output as in the model: independent layers let XLA overlap consecutive layers' kernels,
-    which made small-T kernels look ~3x faster than inside the engine's step (docs/PERF.md, step profile)."""
+def make_scan(layer_fn, iters, layers, unroll=1):
+    """`iters` layers in a jitted scan, layer i using expert copy i % layers; layer i+1's input depends on layer
+    i's output (all of it when the shapes match, as in the model; else one element of it).
+
+    The dependence is what makes every layer count: without it, the outputs of all but the last layer of each
+    unrolled scan iteration are dead and XLA deletes their kernels, which made the first kernel tables ~3-4x too
+    fast (docs/PERF.md, 1-bit MoE kernel)."""
     @jax.jit
     def run(xs, ids, ws, *weights):
         def body(carry, inp):
             i, x, idx, wt = inp
-            if chain and carry.shape == x.shape:
-                x = x + (carry * 1e-3).astype(x.dtype)
+            dep = carry if carry.shape == x.shape else jnp.ravel(carry)[0]
+            x = x + (dep * 1e-3).astype(x.dtype)
             idx = idx + (i % layers) * EXPERTS
             return layer_fn(x, idx, wt, *weights), None
 
@@ -189,9 +206,6 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--unroll", type=int, default=4, help="lax.scan unroll (amortizes XLA's per-iteration loop cost)")
-    ap.add_argument("--independent-layers", action="store_true",
-                    help="feed every layer its own input instead of the previous layer's output (the method of the "
-                         "first measurements; lets consecutive layers' kernels overlap)")
     ap.add_argument("--parts", default="",
                     help="pairs variants to also time per kernel (VARIANT@gu, VARIANT@dn); 'prep': grouped routing prep")
     ap.add_argument("--experts", type=int, default=EXPERTS)
@@ -200,7 +214,6 @@ def main(argv=None):
     ap.add_argument("--grouped-min-t", type=int, default=4, help="time grouped_* variants only from this T")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     args = ap.parse_args(argv)
-    chain = not args.independent_layers
     if args.quick:
         HIDDEN, INTER, EXPERTS = 256, 64, 32
         args.tokens, args.iters, args.reps, args.layers = "1,4", 2, 1, 2
@@ -278,8 +291,7 @@ def main(argv=None):
             floor_s = distinct * bytes_per_expert / bw_copy
             row = dict(tokens=t, planes=planes, distinct_experts=distinct, bytes=distinct * bytes_per_expert,
                        floor_us=floor_s * 1e6, times_us={})
-            empty = make_scan(lambda x, i, w, *wts: x * jnp.bfloat16(1.001), args.iters, args.layers, args.unroll,
-                              chain)
+            empty = make_scan(lambda x, i, w, *wts: x * jnp.bfloat16(1.001), args.iters, args.layers, args.unroll)
             te, _ = time_fn(empty, (xs, ids, ws, gu, dn), args.reps)
             row["loop_overhead_us"] = te / args.iters * 1e6
             for name in want:
@@ -299,7 +311,7 @@ def main(argv=None):
                           moe_experts_1bit(x, i, w, g, d, impl=impl, config=cfg, interpret=interpret))
                     wts = (gu, dn)
                 try:
-                    tt, _ = time_fn(make_scan(fn, args.iters, args.layers, args.unroll, chain), (xs, ids, ws, *wts),
+                    tt, _ = time_fn(make_scan(fn, args.iters, args.layers, args.unroll), (xs, ids, ws, *wts),
                                     args.reps)
                     row["times_us"][name] = tt / args.iters * 1e6
                 except Exception as ex:
@@ -311,7 +323,7 @@ def main(argv=None):
                 if planes != 1 or (t > args.pairs_max_t and not pname.endswith("prep")):
                     continue
                 try:
-                    tt, _ = time_fn(make_scan(part_fn(pname, interpret), args.iters, args.layers, args.unroll, chain),
+                    tt, _ = time_fn(make_scan(part_fn(pname, interpret), args.iters, args.layers, args.unroll),
                                     (xs, ids, ws, gu, dn, hpart), args.reps)
                     row["times_us"][pname] = tt / args.iters * 1e6
                 except Exception as ex:

@@ -92,6 +92,10 @@ PALLAS_CONFIGS = {
     "grouped": pk.KernelConfig(schedule="grouped"),
     "grouped_mma2d": pk.KernelConfig(schedule="grouped", compute="mma2d", bkw2=2),
     "grouped_bm16_n16": pk.KernelConfig(schedule="grouped", bn1=16, bn2=16, bkw1=1),
+    "pairs_split_tf32": pk.KernelConfig(schedule="pairs", split_pairs=True, compute="mma_tf32"),
+    "pairs_xor16": pk.KernelConfig(schedule="pairs", unpack="xor16"),
+    "grouped_tf32": pk.KernelConfig(schedule="grouped", compute="mma_tf32"),
+    "grouped_xor16": pk.KernelConfig(schedule="grouped", unpack="xor16", bkw1=2),
 }
 
 
@@ -163,7 +167,8 @@ def test_bf16_input_and_pytree_weights():
     x, ids, w, gu, dn = make_case(8, 128, 64, 5, 4, 2, 128, 1)
     ref = numpy_reference(x, ids, w, gu, dn)
     gpw, dpw = as_packed(gu), as_packed(dn)
-    f = jax.jit(lambda x, i, w, g, d: pk.moe_experts_1bit(x, i, w, g, d, impl="pallas", interpret=True))
+    cfg = PALLAS_CONFIGS[cfg_name]
+    f = jax.jit(lambda x, i, w, g, d: pk.moe_experts_1bit(x, i, w, g, d, impl="pallas", config=cfg, interpret=True))
     y = f(jnp.asarray(x, jnp.bfloat16), ids, w, gpw, dpw)
     assert y.dtype == jnp.bfloat16
     assert rel_err(np.asarray(y, np.float32), ref) < 2e-2
@@ -190,7 +195,8 @@ def test_gpu_real_lowering(planes):
         w = rng.random((t, k)).astype(np.float32)
         x = jax.random.normal(jax.random.fold_in(kx, t), (t, hidden), jnp.float32)
         ref = np.asarray(ref_fn(x, ids, w, gu, dn), np.float64)
-        for name in ("auto", "pairs", "pairs_k8_split", "pairs_2d", "pairs_v2d_n64", "grouped", "grouped_2d"):
+        for name in ("auto", "pairs", "pairs_k8_split", "pairs_k8_split_tf32", "pairs_k8_split_x16", "pairs_2d",
+                     "pairs_v2d_n64", "grouped", "grouped_2d", "grouped_n64_w2_tf32", "grouped_n64_w2_x16"):
             impl, cfg = VARIANTS[name]  # "auto": pallas_kernels.default_config(T)
             f = jax.jit(lambda *a, cfg=cfg: pk.moe_experts_1bit(*a, impl="pallas", config=cfg, poison=True))
             y = np.asarray(f(x.astype(jnp.bfloat16), ids, w, gu, dn), np.float32)
