@@ -20,16 +20,21 @@ from strata_jax.model.cache import AttentionCache, ModelCache
 
 
 def _map_kv(cache: ModelCache, fn) -> ModelCache:
+    """Applies fn(array, position_axis) to every attention cache array."""
     layers = []
     for layer in cache.layers:
         mixer = layer.mixer
         if isinstance(mixer, AttentionCache):
-            mixer = jax.tree_util.tree_map(fn, mixer)
+            mixer = mixer.map_positions(fn)
         layers.append(layer.replace(mixer=mixer))
     cache = cache.replace(layers=tuple(layers))
-    if cache.mtp is not None:
-        cache = cache.replace(mtp=cache.mtp.replace(mixer=jax.tree_util.tree_map(fn, cache.mtp.mixer)))
+    if cache.mtp is not None and isinstance(cache.mtp.mixer, AttentionCache):
+        cache = cache.replace(mtp=cache.mtp.replace(mixer=cache.mtp.mixer.map_positions(fn)))
     return cache
+
+
+def _positions(axis: int, stop: int) -> tuple:
+    return (slice(None),) * axis + (slice(0, stop),)
 
 
 @dataclasses.dataclass
@@ -74,7 +79,7 @@ class PrefixCache:
             self._snaps[tokens].last_used = next(self._clock)
             return
         keep = -(-len(tokens) // self.kv_block) * self.kv_block
-        state = _map_kv(state, lambda x: np.array(x[:, :keep]))
+        state = _map_kv(state, lambda x, axis: np.array(x[_positions(axis, keep)]))
         nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
         if nbytes > self.budget:
             return
@@ -88,9 +93,9 @@ class PrefixCache:
     def restore(snap: Snapshot, kv_len: int) -> ModelCache:
         """The snapshot's state with KV padded back to the slot cache length."""
 
-        def pad(x):
-            out = np.zeros((x.shape[0], kv_len) + x.shape[2:], x.dtype)
-            out[:, : x.shape[1]] = x
+        def pad(x, axis):
+            out = np.zeros(x.shape[:axis] + (kv_len,) + x.shape[axis + 1 :], x.dtype)
+            out[_positions(axis, x.shape[axis])] = x
             return out
 
         return _map_kv(snap.state, pad)

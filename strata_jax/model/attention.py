@@ -19,6 +19,13 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
 
 
+def _write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Scatters new [B, T, H, D] into cache [B, H, S, D] at positions [B, T]; positions >= S are dropped. (The
+    index arrays around the head slice put their broadcast dims first: the update is addressed as [B, T, H, D].)"""
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, :, positions].set(new.astype(cache.dtype), mode="drop")
+
+
 class QSAIndexer(nnx.Module):
     """Scores blocks of `compress_ratio` keys and keeps the best `budget / compress_ratio` complete blocks plus the
     incomplete tail; attention then sees only the selected tokens (below `budget` tokens: everything)."""
@@ -98,9 +105,9 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).reshape(bsz, t, kvh, d)), cos, sin)
         v = self.v_proj(x).reshape(bsz, t, kvh, d)
-        k_all = _write(cache.k, k, positions)
-        v_all = _write(cache.v, v, positions)
-        s = k_all.shape[1]
+        k_all = _write_kv(cache.k, k, positions)
+        v_all = _write_kv(cache.v, v, positions)
+        s = k_all.shape[2]
 
         mask = jnp.arange(s)[None, None, :] <= positions[..., None]  # [B, T, S]
         index_k = cache.index_k
@@ -109,9 +116,9 @@ class Attention(nnx.Module):
             mask = mask & selected
 
         qh = q.reshape(bsz, t, kvh, group, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qh, k_all.astype(q.dtype)).astype(jnp.float32) * d**-0.5
+        scores = jnp.einsum("btkgd,bksd->bkgts", qh, k_all.astype(q.dtype)).astype(jnp.float32) * d**-0.5
         scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_all.astype(q.dtype)).reshape(bsz, t, -1)
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, v_all.astype(q.dtype)).reshape(bsz, t, -1)
         out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out), AttentionCache(k=k_all, v=v_all, index_k=index_k)
