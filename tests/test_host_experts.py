@@ -51,7 +51,7 @@ def _reference64(x, ids, w, mask, gu, dn):
 @pytest.mark.parametrize(
     "e,planes,hidden,inter,group,tokens,k",
     [(8, 1, 256, 96, 64, 5, 3), (6, 2, 320, 64, 128, 4, 2), (12, 3, 512, 160, 256, 7, 4), (4, 4, 128, 32, 64, 1, 2),
-     (4, 2, 384, 96, 256, 12, 2)],  # the last: many tokens per expert, the blocked path
+     (2, 2, 384, 96, 256, 40, 2)],  # the last: many tokens per expert (>= BLOCKED_MIN_TOKENS), the blocked path
 )
 def test_matches_float64_reference(e, planes, hidden, inter, group, tokens, k):
     rng = np.random.default_rng(e * 100 + planes)
@@ -88,6 +88,31 @@ def test_table_and_blocked_projections_agree(planes, k, n, group):
     ref = x.astype(np.float64) @ _dense64(bits, scales, group)[0].T
     np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     np.testing.assert_allclose(b, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 6, 9])
+@pytest.mark.parametrize("planes,k,n,group", [(1, 2560 // 8, 96, 128), (2, 320, 72, 128), (2, 640, 40, 256)])
+def test_table_projection_token_counts(tokens, planes, k, n, group):
+    """The table path for every item width (1, 2, 4 tokens gathered at once, 3 padded, >4 chunked), with a short
+    last scale group (k % group) and 2 planes, against float64; and one expert fed `tokens` rows via host_experts."""
+    rng = np.random.default_rng(tokens * 10 + planes)
+    bits, scales = _packed(rng, 1, planes, k, n, group)
+    x = rng.normal(size=(tokens, k)).astype(np.float32)
+    got = project(byte_tables(x), group_sums(x, group), bits[0], scales[0], group)
+    ref = x.astype(np.float64) @ _dense64(bits, scales, group)[0].T
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # Whole expert, all tokens on expert 0 (table path while tokens < BLOCKED_MIN_TOKENS).
+    gb, gs = _packed(rng, 1, planes, k, 2 * 64, group)
+    db, ds = _packed(rng, 1, planes, 64, k, group)
+    stack = PackedStack(gb, gs, db, ds, group)
+    ids = np.zeros((tokens, 1), np.int32)
+    w = rng.uniform(size=(tokens, 1)).astype(np.float32)
+    mask = np.ones((tokens, 1), bool)
+    ref = _reference64(x.astype(np.float64), ids, w, mask, _dense64(gb, gs, group), _dense64(db, ds, group))
+    got = host_experts(stack, x, ids, w, mask)
+    assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+    lut, xsum = byte_tables(x), group_sums(x, group)
+    np.testing.assert_allclose(stack.expert_output(0, x, lut, xsum) * w, got, rtol=1e-5, atol=1e-6)
 
 
 def test_no_pairs_gives_zeros():

@@ -100,3 +100,15 @@ def test_host_round_trip_only_when_a_host_expert_is_routed():
     assert not calls and np.isfinite(np.asarray(device_only)).all()
     run(state, x, jnp.asarray([[0, 5], [2, 3], [1, 2]], jnp.int32), w)
     assert len(calls) == 1
+
+
+def test_worker_pool_limits_blas_to_one_thread():
+    """The pool parallelises over experts; BLAS threads on top would oversubscribe the cores."""
+    import threadpoolctl
+
+    from strata_jax.host import tier
+
+    tier.worker_pool()
+    blas = threadpoolctl.threadpool_info()
+    blas = [i for i in blas if i["user_api"] == "blas"]
+    assert blas and all(i["num_threads"] == 1 for i in blas)

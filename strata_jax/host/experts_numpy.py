@@ -16,10 +16,19 @@ weights are never transposed or unpacked. Per (token, expert, plane) that is ``K
 (Flash-Next: 410k for gate_up, 205k for down) against ``K * N`` multiply-adds of a dense float matrix, and
 it reads 1 bit per weight instead of 32.
 
-The gate_up table depends on the token only, so it is shared by all of a token's host experts; the down
-table is built per (token, expert) from the activation. The tables cost ~1 ns per gather, linear in the tokens:
-an expert that receives several tokens at once (prefill) instead goes through `project_blocked`, which unpacks
-one scale group's bits at a time to a small float32 block for BLAS. Experts are independent tasks: `host_experts`
+The tables actually gathered hold ``x . sign`` per byte (`_signed_tables`: ``2 * masked sum - byte sum``), so
+a projection is ``y[t, n] = sum_g scale[g, n] * sum_{c in g} table[c, byte(c, n), t]`` and needs no sums of x. Per
+projection (`_project_signed`) that is three large numpy calls: a strided copy of the weight bytes into the low
+byte of a per-thread intp index array whose other bytes hold each byte row's table offset (preset once, so no
+index arithmetic), one ``np.take`` (mode "wrap": no bounds pass, no buffered copy), and one reduction over each
+group's bytes; all planes at once. Up to 4 tokens are gathered per take as one 8- or 16-byte item (their
+entries side by side). Fewer, larger calls matter more than cache blocking here: every numpy call is a GIL
+hand-off between the pool's workers. The gate_up table depends on the token only, so it is shared by all of a
+token's host experts; the down table is built per (token, expert) from the activation. No BLAS call on this
+path exceeds OpenBLAS's threading threshold: its own threads would spin on the pool's cores.
+
+An expert that receives many tokens at once (prefill) instead goes through `project_blocked`, which unpacks one
+scale group's bits at a time to a small float32 block for BLAS. Experts are independent tasks: `host_experts`
 runs them on a thread pool (numpy drops the GIL in take/sum/matmul).
 """
 
@@ -27,15 +36,29 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import sys
+import threading
 
 import numpy as np
 
 WORD_BITS = 32
 # From this many tokens on one expert, `project_blocked` (BLAS on one unpacked scale group at a time) beats the
-# byte tables (measured crossover ~3 tokens at Flash-Next shapes, numpy 2.4, 2026-11-29).
-BLOCKED_MIN_TOKENS = 4
-# BITS[v, j] = bit j of v (LSB first): the 0/1 masks of the 256 possible bytes.
+# byte tables (measured crossover ~12 tokens at Flash-Next shapes, numpy 2.4, 2026-11-29: the tables gather up to 4
+# tokens per item, ~0.55 ms per token per expert, against ~4.3 ms + 0.3 ms per token blocked).
+BLOCKED_MIN_TOKENS = 12
+# BITS[v, j] = bit j of v (LSB first): the 0/1 masks of the 256 possible bytes; SIGNS the same as -1/+1.
 _BITS = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1).astype(np.float32)
+_SIGNS = 2.0 * _BITS - 1.0
+# A gathered table item holds the entries of 1, 2 or 4 tokens side by side (3 is padded to 4); the take copies
+# items bit for bit and never computes on them, so any dtype of that size does.
+_ITEM_DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float64), 4: np.dtype(np.complex128)}
+_MAX_ITEM_TOKENS = 4
+# Bytes of one column block's index array (intp per weight byte, per thread, reused): the projection is split in
+# column blocks only beyond this. Fewer, larger numpy calls win here: every call is a GIL hand-off between the
+# pool's workers, and at these sizes the streaming ops are not cache bound (measured 2026-11-29).
+_BLOCK_INDEX_BYTES = 1 << 23
+_LOW_BYTE = 0 if sys.byteorder == "little" else np.dtype(np.intp).itemsize - 1
+_THREAD = threading.local()
 
 
 def byte_tables(x: np.ndarray) -> np.ndarray:
@@ -45,51 +68,115 @@ def byte_tables(x: np.ndarray) -> np.ndarray:
     return (x.reshape(t, k // 8, 8) @ _BITS.T).reshape(t, (k // 8) * 256)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Offsets:
-    """Per-shape constant: the table offset of every weight byte, in input-byte-major order [kw*4, n]
-    (row 4w + b is byte b of word w, i.e. inputs 32w + 8b .. 32w + 8b + 7)."""
-
-    base: np.ndarray  # intp [kw, 4, n]
+def _padded_tokens(t: int) -> int:
+    return 1 if t == 1 else 2 if t == 2 else 4
 
 
-_OFFSETS: dict[tuple[int, int], _Offsets] = {}
+# Rows of one sign-table matmul ([rows, 8] @ [8, 256]): small enough that OpenBLAS runs it on the calling thread.
+# A product over its threading threshold (m*n*k > 4 * 65536) wakes OpenBLAS's own threads, which then spin for a
+# while and take the cores from the pool's workers (measured: 10 host pairs on 2 workers 6.5 ms instead of 9.5 ms).
+_TABLE_ROWS = 64
 
 
-def _offsets(kw: int, n: int) -> _Offsets:
-    if (kw, n) not in _OFFSETS:
-        rows = np.arange(kw)[:, None, None] * 4 + np.arange(4)[None, :, None]
-        _OFFSETS[kw, n] = _Offsets(np.broadcast_to(rows * 256, (kw, 4, n)).astype(np.intp))
-    return _OFFSETS[kw, n]
+def _sign_products(x8: np.ndarray) -> np.ndarray:
+    """x8 [R, 8] float32 -> [R, 256]: row r, byte value v -> x8[r] . (2 * bits(v) - 1); batched in `_TABLE_ROWS`."""
+    r = x8.shape[0]
+    if r <= _TABLE_ROWS:
+        return x8 @ _SIGNS.T
+    pad = -r % _TABLE_ROWS
+    if pad:
+        x8 = np.concatenate([x8, np.zeros((pad, 8), x8.dtype)])
+    return (x8.reshape(-1, _TABLE_ROWS, 8) @ _SIGNS.T).reshape(-1, 256)[:r]
 
 
-def _sum_groups(masked: np.ndarray, bytes_per_group: int) -> np.ndarray:
-    """[T, C, N] per-byte sums -> [T, ceil(C / bytes_per_group), N] per-group sums (the last group may be short).
-    A reshape-sum over a middle axis vectorises over N; np.add.reduceat is ~8x slower here."""
-    t, c, n = masked.shape
-    full = c // bytes_per_group
-    out = masked[:, : full * bytes_per_group].reshape(t, full, bytes_per_group, n).sum(axis=2)
-    if c % bytes_per_group:
-        out = np.concatenate([out, masked[:, full * bytes_per_group :].sum(axis=1, keepdims=True)], axis=1)
-    return out
+def _signed_tables(x: np.ndarray) -> np.ndarray:
+    """x [T, K] (T <= 4) -> the sign tables as [K/8 * 256] items of T' = 1, 2 or 4 tokens (`_ITEM_DTYPES`):
+    entry (c*256 + v, t) = x[t, 8c : 8c + 8] . (2 * bits(v) - 1), the dot product with the signs of byte v."""
+    t, k = x.shape
+    tp = _padded_tokens(t)
+    tab = _sign_products(np.ascontiguousarray(x, np.float32).reshape(t * (k // 8), 8))
+    if t > 1:
+        wide = np.zeros((k // 8, 256, tp), np.float32)
+        wide[:, :, :t] = tab.reshape(t, k // 8, 256).transpose(1, 2, 0)
+        tab = wide
+    return np.ascontiguousarray(tab).view(_ITEM_DTYPES[tp]).reshape((k // 8) * 256)
+
+
+def _signed_from_lut(lut: np.ndarray) -> np.ndarray:
+    """`byte_tables` output [T, L] (T <= 4) -> `_signed_tables` items (byte value 255 holds the byte's sum of x)."""
+    t, length = lut.shape
+    tp = _padded_tokens(t)
+    lut3 = lut.reshape(t, length // 256, 256)
+    wide = np.zeros((length // 256, 256, tp), np.float32)
+    np.subtract(2.0 * lut3, lut3[:, :, 255:], out=wide[:, :, :t].transpose(2, 0, 1))
+    return wide.view(_ITEM_DTYPES[tp]).reshape(length)
+
+
+def _thread_buffer(name: str, key: tuple, make) -> np.ndarray:
+    """A per-thread reusable buffer (no allocation churn; workers never share one)."""
+    cache = _THREAD.__dict__.setdefault(name, {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _index_buffer(planes: int, kw: int, nb: int) -> np.ndarray:
+    """This thread's intp [P, kw, 4, nb] index array of a column block, entry (p, w, b, n) preset to the table
+    offset (4w + b) * 256 of byte b of word w. The offsets are multiples of 256, so writing a weight byte into an
+    entry's low byte makes it offset + byte, and nothing else ever changes."""
+
+    def make():
+        rows = (np.arange(kw)[:, None] * 4 + np.arange(4)[None, :]) * 256
+        return np.ascontiguousarray(np.broadcast_to(rows[None, :, :, None], (planes, kw, 4, nb)), np.intp)
+
+    return _thread_buffer("index", (planes, kw, nb), make)
+
+
+def _project_signed(table: np.ndarray, t: int, bits: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
+    """`project` from sign tables (`_signed_tables`, T = t tokens) -> y float32 [t, N].
+
+    y[t, n] = sum_{p, g} scale[p, g, n] * sum over the bytes c of group g of table[c*256 + byte(p, c, n), t]:
+    per column block, one strided byte copy into the preset index array, one take and one reduction over each
+    group's bytes, all planes at once."""
+    planes, kw, n = bits.shape
+    tp = table.dtype.itemsize // 4
+    rows = kw * 4  # bytes of weights along the input axis
+    bpg = group // 8
+    groups = -(-rows // bpg)
+    full = rows // bpg
+    blocks = -(-(planes * rows * n * 8) // _BLOCK_INDEX_BYTES)
+    nb = -(-n // blocks)
+    b8 = bits.view(np.uint8).reshape(planes, kw, n, 4)
+    sums = np.empty((planes, groups, n, tp), np.float32)
+    for n0 in range(0, n, nb):
+        m = min(nb, n - n0)
+        idx = _index_buffer(planes, kw, m)
+        np.copyto(idx.view(np.uint8)[..., _LOW_BYTE :: idx.itemsize], b8[:, :, n0 : n0 + m].transpose(0, 1, 3, 2))
+        masked = _thread_buffer("masked", (planes, rows, m, table.dtype), lambda: np.empty((planes, rows, m), table.dtype))
+        np.take(table, idx.reshape(planes, rows, m), out=masked, mode="wrap")  # in range by construction
+        mf = masked.view(np.float32).reshape(planes, rows, m, tp)
+        blk = sums[:, :, n0 : n0 + m]
+        np.sum(mf[:, : full * bpg].reshape(planes, full, bpg, m, tp), axis=2, out=blk[:, :full])
+        if full < groups:  # a short last group
+            np.sum(mf[:, full * bpg :], axis=1, out=blk[:, full])
+    sc = scales.astype(np.float32).reshape(planes * groups, n)
+    return np.einsum("gnt,gn->tn", sums.reshape(planes * groups, n, tp)[:, :, :t], sc)
 
 
 def project(lut: np.ndarray, xsum: np.ndarray, bits: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
     """One expert's projection of T tokens from their byte tables.
 
     lut [T, K/8*256] (`byte_tables`), xsum [T, groups] (sum of x per scale group), bits uint32 [P, K/32, N],
-    scales [P, groups, N] (any float dtype) -> y float32 [T, N]."""
-    planes, kw, n = bits.shape
-    base = _offsets(kw, n).base
-    y = np.zeros((lut.shape[0], n), np.float32)
-    for p in range(planes):
-        # The 4 bytes of each word, read in place and laid out input-byte-major, plus their table offsets.
-        idx = (base + bits[p].view(np.uint8).reshape(kw, n, 4).transpose(0, 2, 1)).reshape(kw * 4, n)
-        masked = np.take(lut, idx, axis=1)  # [T, K/8, N]: x summed over the set bits of each weight byte
-        per_group = _sum_groups(masked, group // 8)  # [T, groups, N]
-        sc = scales[p].astype(np.float32)
-        y += 2.0 * np.einsum("tgn,gn->tn", per_group, sc) - xsum @ sc
-    return y
+    scales [P, groups, N] (any float dtype) -> y float32 [T, N]. (The sums of x are read off the tables, where
+    byte value 255 holds them, so xsum is implied and not used.)"""
+    del xsum
+    t = lut.shape[0]
+    parts = [
+        _project_signed(_signed_from_lut(lut[i : i + _MAX_ITEM_TOKENS]), min(_MAX_ITEM_TOKENS, t - i), bits, scales,
+                        group)
+        for i in range(0, t, _MAX_ITEM_TOKENS)
+    ]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def project_blocked(x: np.ndarray, xsum: np.ndarray, bits: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
@@ -142,12 +229,24 @@ class PackedStack:
     def expert_output(self, e: int, x: np.ndarray, lut: np.ndarray, xsum: np.ndarray) -> np.ndarray:
         """down_e(silu(gate_e x) * up_e x) for rows x [T, H] (with their gate_up tables) -> [T, H] float32.
         Few rows use the byte tables, many (prefill) the blocked BLAS path."""
+        t = x.shape[0]
+        if t < BLOCKED_MIN_TOKENS:
+            parts = [self._table_output(e, _signed_from_lut(lut[i : i + _MAX_ITEM_TOKENS]),
+                                        min(_MAX_ITEM_TOKENS, t - i)) for i in range(0, t, _MAX_ITEM_TOKENS)]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return self._blocked_output(e, x, xsum)
+
+    def _table_output(self, e: int, table: np.ndarray, t: int) -> np.ndarray:
+        """The byte-table path for t <= 4 rows from their gate_up sign tables (`_signed_tables`)."""
         inter = self.down_bits.shape[2] * WORD_BITS
         g = self.group
-        if x.shape[0] < BLOCKED_MIN_TOKENS:
-            gu = project(lut, xsum, self.gate_up_bits[e], self.gate_up_scales[e], g)
-            act = silu(gu[:, :inter]) * gu[:, inter:]
-            return project(byte_tables(act), group_sums(act, g), self.down_bits[e], self.down_scales[e], g)
+        gu = _project_signed(table, t, self.gate_up_bits[e], self.gate_up_scales[e], g)
+        act = silu(gu[:, :inter]) * gu[:, inter:]
+        return _project_signed(_signed_tables(act), t, self.down_bits[e], self.down_scales[e], g)
+
+    def _blocked_output(self, e: int, x: np.ndarray, xsum: np.ndarray) -> np.ndarray:
+        inter = self.down_bits.shape[2] * WORD_BITS
+        g = self.group
         gu = project_blocked(x, xsum, self.gate_up_bits[e], self.gate_up_scales[e], g)
         act = silu(gu[:, :inter]) * gu[:, inter:]
         return project_blocked(act, group_sums(act, g), self.down_bits[e], self.down_scales[e], g)
@@ -164,16 +263,17 @@ def host_experts(
     """sum over the pairs (t, j) with mask[t, j] of weights[t, j] * expert_{ids[t, j]}(x[t]).
 
     x [T, H] float32, ids [T, k] int, weights [T, k], mask [T, k] bool -> [T, H] float32 (rows without a
-    masked pair are 0). One task per distinct expert, run on `pool` when given."""
+    masked pair are 0). One task per distinct expert, run on `pool` when given. The gate_up sign tables are built
+    once per token and shared by its experts."""
     out = np.zeros((x.shape[0], stack.hidden), np.float32)
     rows_any = np.flatnonzero(mask.any(axis=1))
     if rows_any.size == 0:
         return out
     xr = np.ascontiguousarray(x[rows_any], np.float32)
-    lut = byte_tables(xr)
-    xsum = group_sums(xr, stack.group)
+    tr, h = xr.shape
+    tables = _sign_products(xr.reshape(tr * (h // 8), 8)).reshape(tr, (h // 8) * 256)  # per token, 1-token items
     local = np.full(x.shape[0], -1, np.intp)
-    local[rows_any] = np.arange(rows_any.size)
+    local[rows_any] = np.arange(tr)
     t_idx, j_idx = np.nonzero(mask)
     experts = ids[t_idx, j_idx]
     order = np.argsort(experts, kind="stable")
@@ -188,7 +288,24 @@ def host_experts(
 
     def run(task):
         e, ts, rows, w = task
-        return ts, w * stack.expert_output(e, xr[rows], lut[rows], xsum[rows])
+        t = rows.size
+        if t >= BLOCKED_MIN_TOKENS:
+            xe = xr[rows]
+            return ts, w * stack._blocked_output(e, xe, group_sums(xe, stack.group))
+        parts = []
+        for i in range(0, t, _MAX_ITEM_TOKENS):
+            sub = rows[i : i + _MAX_ITEM_TOKENS]
+            if sub.size == 1:
+                table = tables[sub[0]]
+            else:
+                tp = _padded_tokens(sub.size)
+                wide = np.zeros((tables.shape[1], tp), np.float32)
+                wide[:, : sub.size] = tables[sub].T
+                table = wide.view(_ITEM_DTYPES[tp]).reshape(tables.shape[1])
+            parts.append(stack._table_output(e, table, sub.size))
+        y = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        y *= w
+        return ts, y
 
     results = pool.map(run, tasks) if pool is not None and len(tasks) > 1 else map(run, tasks)
     for ts, y in results:

@@ -10,6 +10,7 @@ import concurrent.futures
 import threading
 
 import numpy as np
+import threadpoolctl
 
 from strata_jax.host.experts_numpy import PackedStack, host_experts
 
@@ -27,10 +28,13 @@ def configure_workers(workers: int | None) -> None:
 
 
 def worker_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide host expert pool (created on first use)."""
+    """The process-wide host expert pool (created on first use). Creating it limits numpy's BLAS to one thread for
+    the whole process: the pool already runs one expert per core, and BLAS threads on top of it (prefill's blocked
+    path multiplies through BLAS) oversubscribe the cores and spin -- 2x slower on 2 cores, measured 2026-11-29."""
     global _POOL
     with _LOCK:
         if _POOL is None:
+            threadpoolctl.threadpool_limits(limits=1, user_api="blas")
             workers = _WORKERS
             if workers is None:
                 from strata_jax.engine.cpu_quota import cpu_budget
