@@ -1,10 +1,16 @@
-"""`python -m strata_jax.bench_profile TRACE HLO`: where a compiled step's device time goes, by model component.
+"""`python -m strata_jax.bench_profile TRACE [HLO]`: where a compiled step's device time goes.
 
 TRACE is the Perfetto trace (`perfetto_trace.json.gz`) that `python -m strata_jax.bench --mode step --profile DIR`
-writes; HLO is the same step's compiled HLO text (`--dump-hlo DIR`). Every kernel event of the trace names the HLO
-instruction it ran (`args.hlo_op`); the instruction's `op_name` carries the named scopes the decoder puts around
-each part of a layer (`linear_layer` / `attention_layer`, then `ple`, `hyper`, `mixer`, `mlp`), so kernel time
-adds up per component. Prints kernels and microseconds per traced step for each component.
+writes; HLO is the same step's compiled HLO text (`--dump-hlo DIR`).
+
+With HLO, kernel time adds up per model component: every kernel event names the HLO instruction it ran, and the
+instruction's `op_name` carries the named scopes the decoder puts around each part of a layer (`linear_layer` /
+`attention_layer`, then `ple`, `hyper`, `mixer`, `mlp`). On a GPU, kernels inside XLA's command buffers carry the
+buffer (`command_buffer_1`) as their `hlo_op`; their event name is the instruction's name with `_` for `.`
+(`loop_add_fusion_85` runs `loop_add_fusion.85`), which is used instead. Kernels no instruction explains (Pallas
+kernels are named after their Python function, library kernels after themselves) are listed as `other: NAME`.
+
+Without HLO (or with `--by-kernel`), kernel time adds up per kernel name, numeric suffix dropped.
 """
 
 from __future__ import annotations
@@ -49,17 +55,35 @@ def kernel_events(trace: dict) -> list[dict]:
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in processes.items() if "GPU" in name or "device" in name.lower()}
     out = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    if not any(e["pid"] in device for e in out):  # device kernels without instruction names: take them all
+        out = [e for e in events if e.get("ph") == "X" and e.get("pid") in device] or out
     on_device = [e for e in out if e["pid"] in device]
     return on_device or out
 
 
-def summarize(trace: dict, hlo_text: str, steps: int) -> list[tuple[str, int, float]]:
-    """(component, kernels per step, microseconds per step), largest first."""
-    comps = op_components(hlo_text)
+_SUFFIX = re.compile(r"_(\d+)$")
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without its numeric suffix (`loop_add_fusion_85` -> `loop_add_fusion`), at most 60 chars."""
+    return _SUFFIX.sub("", name)[:60]
+
+
+def event_component(event: dict, comps: dict[str, str]) -> str:
+    """The component of one kernel event: through its `hlo_op`, else through its own name as an instruction."""
+    for inst in (event["args"].get("hlo_op", ""), _SUFFIX.sub(r".\1", event["name"]), event["name"]):
+        if inst in comps:
+            return comps[inst]
+    return f"other: {kernel_family(event['name'])}"
+
+
+def summarize(trace: dict, hlo_text: str | None, steps: int) -> list[tuple[str, int, float]]:
+    """(component -- or kernel name without HLO --, kernels per step, microseconds per step), largest first."""
+    comps = op_components(hlo_text) if hlo_text is not None else None
     kernels: dict[str, int] = defaultdict(int)
     micros: dict[str, float] = defaultdict(float)
     for e in kernel_events(trace):
-        name = comps.get(e["args"]["hlo_op"], "other")
+        name = event_component(e, comps) if comps is not None else kernel_family(e["name"])
         kernels[name] += 1
         micros[name] += float(e.get("dur", 0.0))
     rows = [(name, round(kernels[name] / steps), micros[name] / steps) for name in kernels]
@@ -70,16 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="perfetto_trace.json.gz written by `bench --mode step --profile DIR`")
-    p.add_argument("hlo", help="the step's HLO text written by `bench --mode step --dump-hlo DIR`")
+    p.add_argument("hlo", nargs="?", help="the step's HLO text written by `bench --mode step --dump-hlo DIR` "
+                                          "(without it: time per kernel name)")
     p.add_argument("--steps", type=int, default=2, help="steps the trace holds (bench --profile traces 2)")
+    p.add_argument("--by-kernel", action="store_true", help="sum by kernel name even when HLO is given")
     args = p.parse_args(argv)
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
         trace = json.load(f)
-    with open(args.hlo) as f:
-        rows = summarize(trace, f.read(), args.steps)
-    total = sum(r[2] for r in rows)
-    print("| component | kernels per step | us per step | share |")
+    hlo_text = None
+    if args.hlo and not args.by_kernel:
+        with open(args.hlo) as f:
+            hlo_text = f.read()
+    rows = summarize(trace, hlo_text, args.steps)
+    total = sum(r[2] for r in rows) or 1.0
+    print(f"| {'component' if hlo_text is not None else 'kernel'} | kernels per step | us per step | share |")
     print("| --- | --- | --- | --- |")
     for name, n, us in rows:
         print(f"| {name} | {n} | {us:.0f} | {us / total:.0%} |")

@@ -106,3 +106,29 @@ ENTRY %main (a: f32[4], /*index=1*/b: f32[4]) -> f32[4] {
 """
     assert kernel_ops(hlo) == {"fusion": 2, "custom-call": 1, "fusion-start": 1}
     assert count_kernels(hlo) == 4
+
+
+def test_profile_maps_command_buffer_kernels_by_name():
+    """On a GPU, kernels inside a command buffer carry the buffer as hlo_op; their own name names the instruction."""
+    from strata_jax.bench_profile import summarize
+
+    hlo = "\n".join([
+        '  %loop_add_fusion.85 = f32[4]{0} fusion(%p), kind=kLoop, calls=%c1, '
+        'metadata={op_name="jit(run)/linear_layer/mixer/add"}',
+        '  %gemm_fusion_dot.7 = bf16[4,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%c2, '
+        'metadata={op_name="jit(run)/attention_layer/mlp/dot_general"}',
+    ])
+    gpu = {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}}
+    host = {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/host:CPU"}}
+
+    def kernel(name, dur):
+        return {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": dur, "name": name, "args": {"hlo_op": "command_buffer_1"}}
+
+    events = [gpu, host, kernel("loop_add_fusion_85", 3.0), kernel("gemm_fusion_dot_7", 5.0),
+              kernel("gemm_fusion_dot_7", 5.0), kernel("_gate_up_kernel", 20.0),
+              {"ph": "X", "pid": 7, "tid": 2, "ts": 0, "dur": 99.0, "name": "python", "args": {}}]
+    rows = {name: (n, us) for name, n, us in summarize({"traceEvents": events}, hlo, steps=1)}
+    assert rows == {"linear_layer/mixer": (1, 3.0), "attention_layer/mlp": (2, 10.0),
+                    "other: _gate_up_kernel": (1, 20.0)}
+    by_kernel = {name: (n, us) for name, n, us in summarize({"traceEvents": events}, None, steps=1)}
+    assert by_kernel == {"loop_add_fusion": (1, 3.0), "gemm_fusion_dot": (2, 10.0), "_gate_up_kernel": (1, 20.0)}
