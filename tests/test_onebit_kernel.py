@@ -167,8 +167,7 @@ def test_bf16_input_and_pytree_weights():
     x, ids, w, gu, dn = make_case(8, 128, 64, 5, 4, 2, 128, 1)
     ref = numpy_reference(x, ids, w, gu, dn)
     gpw, dpw = as_packed(gu), as_packed(dn)
-    cfg = PALLAS_CONFIGS[cfg_name]
-    f = jax.jit(lambda x, i, w, g, d: pk.moe_experts_1bit(x, i, w, g, d, impl="pallas", config=cfg, interpret=True))
+    f = jax.jit(lambda x, i, w, g, d: pk.moe_experts_1bit(x, i, w, g, d, impl="pallas", interpret=True))
     y = f(jnp.asarray(x, jnp.bfloat16), ids, w, gpw, dpw)
     assert y.dtype == jnp.bfloat16
     assert rel_err(np.asarray(y, np.float32), ref) < 2e-2
