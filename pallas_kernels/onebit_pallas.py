@@ -64,7 +64,9 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     # "mma" | "mma2d" (bf16 jnp.dot) | "mma_tf32" (the unpacked float32 tile straight into a TF32 dot: no
-    # float32 -> bf16 conversion per weight) | "vpu" | "vpu2d" (f32 FMA; pairs only)
+    # float32 -> bf16 conversion per weight) | "mma_i8" (int8 dot of +-1 signs with the activations quantised per
+    # row and scale group; the scales applied per K step: half the bf16 tile's bytes) | "vpu" | "vpu2d" (f32 FMA;
+    # pairs only)
     compute: str = "mma"
     # "xor" | "select" | "xor16" (xor, then the bf16 operand taken as the float32's high half by a shift: exact,
     # since the scales are bf16, and no conversion instruction; 1 plane, compute="mma" only)
@@ -144,11 +146,20 @@ def _row0(acc, bm):
     return jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)
 
 
-def _mma_loop(load_x, bits_ref, sc_ref, e, n0s, *, n_steps, bm, bn, bkw, planes, wpg, unpack, compute):
+def _signs_i8(words):
+    """words uint32 [bkw, bn] -> int8 [32*bkw, bn]: +1 where bit j of a word is set, else -1."""
+    j = lax.broadcasted_iota(jnp.uint32, (1, WORD_BITS, 1), 1)
+    bit = ((words[:, None, :] >> j) & jnp.uint32(1)).astype(jnp.int32)
+    return (2 * bit - 1).astype(jnp.int8).reshape(words.shape[0] * WORD_BITS, words.shape[1])
+
+
+def _mma_loop(load_x, bits_ref, sc_ref, e, n0s, *, n_steps, bm, bn, bkw, planes, wpg, unpack, compute, load_sx=None):
     """sum over K of x @ W^T for len(n0s) column tiles of one expert: [bm, bn] float32 each.
 
     compute="mma": a [bkw, 32, bn] unpack reshaped to one [32*bkw, bn] dot operand per step;
-    compute="mma2d": one [32, bn] operand per word (2-D throughout, K = 32 per dot).
+    compute="mma2d": one [32, bn] operand per word (2-D throughout, K = 32 per dot);
+    compute="mma_i8": x is int8 (quantised per row and scale group, `load_sx(g)` -> [bm, 1] its scales), one int8
+    dot per plane against the +-1 signs, times both scales (a K step never crosses a scale group).
     """
     tile = functools.partial(_tile_values, bits_ref, sc_ref, planes=planes, bkw=bkw, bn=bn, wpg=wpg, unpack=unpack)
     word = functools.partial(_word_values, bits_ref, sc_ref, planes=planes, bn=bn, wpg=wpg)
@@ -156,7 +167,17 @@ def _mma_loop(load_x, bits_ref, sc_ref, e, n0s, *, n_steps, bm, bn, bkw, planes,
     def body(it, accs):
         w0 = it * bkw
         accs = list(accs)
-        if compute in ("mma", "mma_tf32"):
+        if compute == "mma_i8":
+            xt = load_x(w0 * WORD_BITS, bkw * WORD_BITS)
+            g = lax.div(w0, jnp.int32(wpg))
+            sx = load_sx(g).astype(jnp.float32)
+            for c, n0 in enumerate(n0s):
+                for p in range(planes):
+                    d = jnp.dot(xt, _signs_i8(bits_ref[e, p, pl.ds(w0, bkw), pl.ds(n0, bn)]),
+                                preferred_element_type=jnp.int32)
+                    sc = sc_ref[e, p, g, pl.ds(n0, bn)].astype(jnp.float32)
+                    accs[c] = accs[c] + d.astype(jnp.float32) * sx * sc[None, :]
+        elif compute in ("mma", "mma_tf32"):
             # Pallas' Triton lowering runs a float32 x float32 dot at its default precision as TF32.
             dt = jnp.float32 if compute == "mma_tf32" else jnp.bfloat16
             xt = load_x(w0 * WORD_BITS, bkw * WORD_BITS).astype(dt)
@@ -212,10 +233,12 @@ def _vpu_loop(load_xrow, bits_ref, sc_ref, e, n0s, *, n_steps, bn, bkw, planes, 
 def _gate_up_kernel(*refs, grouped, k, cfg: KernelConfig, kw_total, wpg, planes, inter, poison):
     if poison:
         refs = refs[:-2] + refs[-1:]  # drop the aliased poison input; the output ref is the same buffer
+    quant = cfg.compute == "mma_i8"
     if grouped:
-        blk_e_ref, blk_pos_ref, blk_n_ref, tok_ref, x_ref, bits_ref, sc_ref, h_ref = refs
+        blk_e_ref, blk_pos_ref, blk_n_ref, tok_ref, x_ref, *rest = refs
     else:
-        ids_ref, x_ref, bits_ref, sc_ref, h_ref = refs
+        ids_ref, x_ref, *rest = refs
+    sx_ref, bits_ref, sc_ref, h_ref = rest if quant else (None, *rest)
     bm, bn, bkw = cfg.bm, cfg.bn1, cfg.bkw1
     b = pl.program_id(0)
     n0 = pl.program_id(1) * bn
@@ -231,7 +254,8 @@ def _gate_up_kernel(*refs, grouped, k, cfg: KernelConfig, kw_total, wpg, planes,
         def _():
             rows = tok_ref[pl.ds(pos0, bm)]
             load_x = lambda k0, kk: x_ref[rows, pl.ds(k0, kk)]
-            acc_g, acc_u = _mma_loop(load_x, bits_ref, sc_ref, e, (n0, n0 + inter), bm=bm, **common)
+            load_sx = (lambda g: sx_ref[rows, pl.ds(g, 1)]) if quant else None
+            acc_g, acc_u = _mma_loop(load_x, bits_ref, sc_ref, e, (n0, n0 + inter), bm=bm, load_sx=load_sx, **common)
             hval = silu(acc_g) * acc_u
             rmask = lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < nvalid
             pltriton.store(h_ref.at[pl.ds(pos0, bm), pl.ds(n0, bn)], hval.astype(h_ref.dtype), mask=rmask)
@@ -247,14 +271,17 @@ def _gate_up_kernel(*refs, grouped, k, cfg: KernelConfig, kw_total, wpg, planes,
         return
     rows = jnp.full((bm,), t, jnp.int32)
     load_x = lambda k0, kk: x_ref[rows, pl.ds(k0, kk)]
-    acc_g, acc_u = _mma_loop(load_x, bits_ref, sc_ref, e, (n0, n0 + inter), bm=bm, **common)
+    load_sx = (lambda g: sx_ref[rows, pl.ds(g, 1)]) if quant else None
+    acc_g, acc_u = _mma_loop(load_x, bits_ref, sc_ref, e, (n0, n0 + inter), bm=bm, load_sx=load_sx, **common)
     h_ref[b, pl.ds(n0, bn)] = _row0(silu(acc_g) * acc_u, bm).astype(h_ref.dtype)
 
 
 def _down_tok_kernel(*refs, k, cfg: KernelConfig, kw_total, wpg, planes, poison):
     if poison:
         refs = refs[:-2] + refs[-1:]
-    ids_ref, wts_ref, h_ref, bits_ref, sc_ref, y_ref = refs
+    quant = cfg.compute == "mma_i8"
+    ids_ref, wts_ref, h_ref, *rest = refs
+    sh_ref, bits_ref, sc_ref, y_ref = rest if quant else (None, *rest)
     bm, bn, bkw = cfg.bm, cfg.bn2, cfg.bkw2
     t = pl.program_id(0)
     n0 = pl.program_id(1) * bn
@@ -270,8 +297,9 @@ def _down_tok_kernel(*refs, k, cfg: KernelConfig, kw_total, wpg, planes, poison)
             (acc,) = _vpu_loop(lambda k0, kk: h_ref[r, pl.ds(k0, kk)], bits_ref, sc_ref, e, (n0,), **common)
         else:
             rows = jnp.full((bm,), r, jnp.int32)
+            load_sx = (lambda g: sh_ref[rows, pl.ds(g, 1)]) if quant else None
             (acc,) = _mma_loop(lambda k0, kk: h_ref[rows, pl.ds(k0, kk)], bits_ref, sc_ref, e, (n0,), bm=bm,
-                               **common)
+                               load_sx=load_sx, **common)
         return acc_tot + wt * acc
 
     acc = lax.fori_loop(0, k, slot, jnp.zeros((bn,) if vpu else (bm, bn), jnp.float32))
@@ -282,7 +310,9 @@ def _down_tok_kernel(*refs, k, cfg: KernelConfig, kw_total, wpg, planes, poison)
 def _down_grp_kernel(*refs, cfg: KernelConfig, kw_total, wpg, planes, poison):
     if poison:
         refs = refs[:-2] + refs[-1:]
-    blk_e_ref, blk_pos_ref, blk_n_ref, h_ref, bits_ref, sc_ref, ys_ref = refs
+    quant = cfg.compute == "mma_i8"
+    blk_e_ref, blk_pos_ref, blk_n_ref, h_ref, *rest = refs
+    sh_ref, bits_ref, sc_ref, ys_ref = rest if quant else (None, *rest)
     bm, bn, bkw = cfg.bm, cfg.bn2, cfg.bkw2
     b = pl.program_id(0)
     n0 = pl.program_id(1) * bn
@@ -293,8 +323,9 @@ def _down_grp_kernel(*refs, cfg: KernelConfig, kw_total, wpg, planes, poison):
     @pl.when(e >= 0)
     def _():
         load_x = lambda k0, kk: h_ref[pl.ds(pos0, bm), pl.ds(k0, kk)]
+        load_sx = (lambda g: sh_ref[pl.ds(pos0, bm), pl.ds(g, 1)]) if quant else None
         (acc,) = _mma_loop(load_x, bits_ref, sc_ref, e, (n0,), n_steps=kw_total // bkw, bm=bm, bn=bn, bkw=bkw,
-                           planes=planes, wpg=wpg, unpack=cfg.unpack, compute=cfg.compute)
+                           planes=planes, wpg=wpg, unpack=cfg.unpack, compute=cfg.compute, load_sx=load_sx)
         rmask = lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < nvalid
         pltriton.store(ys_ref.at[pl.ds(pos0, bm), pl.ds(n0, bn)], acc.astype(ys_ref.dtype), mask=rmask)
 
@@ -326,6 +357,22 @@ def _resolve(cfg: KernelConfig, gate_up: PackedWeights, down: PackedWeights) -> 
     )
 
 
+def _act(a) -> tuple:
+    """An activation argument: an array, or (int8 array, its per-row group scales) for compute="mma_i8"."""
+    return a if isinstance(a, tuple) else (a,)
+
+
+def quantize_rows(x, group: int):
+    """x [R, K] -> (int8 [R, K], float32 scales [R, ceil(K / group)]): symmetric per row and scale group."""
+    r, k = x.shape
+    ng = -(-k // group)
+    xg = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, ng * group - k))).reshape(r, ng, group)
+    amax = jnp.max(jnp.abs(xg), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(xg / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q.reshape(r, ng * group)[:, :k], scale
+
+
 def gate_up_pairs(x, expert_ids, gate_up: PackedWeights, cfg: KernelConfig, *, interpret=False, poison=False):
     """h [T*k, I] bf16 for every (token, slot) pair in routing order."""
     t, k = expert_ids.shape
@@ -335,7 +382,7 @@ def gate_up_pairs(x, expert_ids, gate_up: PackedWeights, cfg: KernelConfig, *, i
         wpg=gate_up.words_per_group, planes=gate_up.planes, inter=inter, poison=poison,
     )
     out = jax.ShapeDtypeStruct((t * k, inter), jnp.bfloat16)
-    args = (expert_ids.reshape(-1).astype(jnp.int32), x, gate_up.bits, gate_up.scales)
+    args = (expert_ids.reshape(-1).astype(jnp.int32), *_act(x), gate_up.bits, gate_up.scales)
     return _call(kern, (t * k, inter // cfg.bn1), out, args, cfg, interpret, poison)
 
 
@@ -349,7 +396,7 @@ def down_pairs(h, expert_ids, expert_weights, down: PackedWeights, out_dtype, cf
         planes=down.planes, poison=poison,
     )
     out = jax.ShapeDtypeStruct((t, hidden), out_dtype)
-    args = (expert_ids.astype(jnp.int32), expert_weights.astype(jnp.float32), h, down.bits, down.scales)
+    args = (expert_ids.astype(jnp.int32), expert_weights.astype(jnp.float32), *_act(h), down.bits, down.scales)
     return _call(kern, (t, hidden // cfg.bn2), out, args, cfg, interpret, poison)
 
 
@@ -396,7 +443,7 @@ def gate_up_grouped(x, blocks, gate_up: PackedWeights, cfg: KernelConfig, *, int
         wpg=gate_up.words_per_group, planes=gate_up.planes, inter=inter, poison=poison,
     )
     out = jax.ShapeDtypeStruct((p + cfg.bm, inter), jnp.bfloat16)
-    args = (blk_e, blk_pos, blk_n, tok_sorted, x, gate_up.bits, gate_up.scales)
+    args = (blk_e, blk_pos, blk_n, tok_sorted, *_act(x), gate_up.bits, gate_up.scales)
     return _call(kern, (blk_e.shape[0], inter // cfg.bn1), out, args, cfg, interpret, poison)
 
 
@@ -410,7 +457,7 @@ def down_grouped(h_sorted, blocks, down: PackedWeights, cfg: KernelConfig, *, in
         planes=down.planes, poison=poison,
     )
     out = jax.ShapeDtypeStruct((p + cfg.bm, hidden), jnp.float32)
-    args = (blk_e, blk_pos, blk_n, h_sorted, down.bits, down.scales)
+    args = (blk_e, blk_pos, blk_n, *_act(h_sorted), down.bits, down.scales)
     return _call(kern, (blk_e.shape[0], hidden // cfg.bn2), out, args, cfg, interpret, poison)
 
 
@@ -420,11 +467,17 @@ def moe_experts_1bit_pallas(
 ):
     t, k = expert_ids.shape
     cfg = _resolve(config or default_config(t), gate_up, down)
+    quant = cfg.compute == "mma_i8"
+    if quant:  # a K step must stay inside one scale group
+        cfg = dataclasses.replace(cfg, bkw1=min(cfg.bkw1, _pow2_divisor(gate_up.words_per_group, cfg.bkw1)),
+                                  bkw2=min(cfg.bkw2, _pow2_divisor(down.words_per_group, cfg.bkw2)))
+    act_in = (lambda a, w: quantize_rows(a, w.group)) if quant else (lambda a, w: a)
     schedule = cfg.schedule
     if schedule == "auto":
         schedule = "pairs" if t <= cfg.pairs_max_tokens else "grouped"
     if schedule == "pairs":
-        h = gate_up_pairs(x, expert_ids, gate_up, cfg, interpret=interpret, poison=poison)
+        h = act_in(gate_up_pairs(act_in(x, gate_up), expert_ids, gate_up, cfg, interpret=interpret, poison=poison),
+                   down)
         if not cfg.split_pairs:
             return down_pairs(h, expert_ids, expert_weights, down, x.dtype, cfg, interpret=interpret, poison=poison)
         # h's rows are already one per pair: each pair is a "token" with one expert, its output a weighted partial.
@@ -433,11 +486,11 @@ def moe_experts_1bit_pallas(
         return jnp.sum(parts.reshape(t, k, -1), axis=1).astype(x.dtype)
     if schedule != "grouped":
         raise ValueError(f"unknown schedule {schedule!r}")
-    if cfg.compute not in ("mma", "mma2d", "mma_tf32"):  # the vpu forms handle one row per block only
+    if cfg.compute not in ("mma", "mma2d", "mma_tf32", "mma_i8"):  # the vpu forms handle one row per block only
         cfg = dataclasses.replace(cfg, compute="mma2d" if cfg.compute == "vpu2d" else "mma")
     blocks = group_pairs(expert_ids, gate_up.num_experts, cfg.bm)
-    h = gate_up_grouped(x, blocks, gate_up, cfg, interpret=interpret, poison=poison)
-    ys = down_grouped(h, blocks, down, cfg, interpret=interpret, poison=poison)
+    h = gate_up_grouped(act_in(x, gate_up), blocks, gate_up, cfg, interpret=interpret, poison=poison)
+    ys = down_grouped(act_in(h, down), blocks, down, cfg, interpret=interpret, poison=poison)
     inv = blocks[4]
     y = ys[inv].reshape(t, k, -1) * expert_weights.astype(jnp.float32)[..., None]
     return jnp.sum(y, axis=1).astype(x.dtype)
