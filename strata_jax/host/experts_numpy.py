@@ -16,7 +16,7 @@ weights are never transposed or unpacked. Per (token, expert, plane) that is ``K
 (Flash-Next: 410k for gate_up, 205k for down) against ``K * N`` multiply-adds of a dense float matrix, and
 it reads 1 bit per weight instead of 32.
 
-The tables actually gathered hold ``x . sign`` per byte (`_signed_tables`: ``2 * masked sum - byte sum``), so
+The tables actually gathered hold ``x . sign`` per byte (`_sign_tables`; from byte sums: ``2 * masked sum - byte sum``), so
 a projection is ``y[t, n] = sum_g scale[g, n] * sum_{c in g} table[c, byte(c, n), t]`` and needs no sums of x. Per
 projection (`_project_signed`) that is three large numpy calls: a strided copy of the weight bytes into the low
 byte of a per-thread intp index array whose other bytes hold each byte row's table offset (preset once, so no
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import sys
 import threading
 
@@ -89,27 +90,37 @@ def _sign_products(x8: np.ndarray) -> np.ndarray:
     return (x8.reshape(-1, _TABLE_ROWS, 8) @ _SIGNS.T).reshape(-1, 256)[:r]
 
 
-def _signed_tables(x: np.ndarray) -> np.ndarray:
-    """x [T, K] (T <= 4) -> the sign tables as [K/8 * 256] items of T' = 1, 2 or 4 tokens (`_ITEM_DTYPES`):
-    entry (c*256 + v, t) = x[t, 8c : 8c + 8] . (2 * bits(v) - 1), the dot product with the signs of byte v."""
+def _sign_tables(x: np.ndarray) -> np.ndarray:
+    """x [T, K] -> per-token sign tables [T, K/8 * 256]: entry (t, c*256 + v) = x[t, 8c : 8c + 8] . (2 * bits(v) - 1),
+    the dot product with the signs of byte v."""
     t, k = x.shape
-    tp = _padded_tokens(t)
-    tab = _sign_products(np.ascontiguousarray(x, np.float32).reshape(t * (k // 8), 8))
-    if t > 1:
-        wide = np.zeros((k // 8, 256, tp), np.float32)
-        wide[:, :, :t] = tab.reshape(t, k // 8, 256).transpose(1, 2, 0)
-        tab = wide
-    return np.ascontiguousarray(tab).view(_ITEM_DTYPES[tp]).reshape((k // 8) * 256)
+    return _sign_products(np.ascontiguousarray(x, np.float32).reshape(t * (k // 8), 8)).reshape(t, (k // 8) * 256)
 
 
-def _signed_from_lut(lut: np.ndarray) -> np.ndarray:
-    """`byte_tables` output [T, L] (T <= 4) -> `_signed_tables` items (byte value 255 holds the byte's sum of x)."""
+def _signs_from_lut(lut: np.ndarray) -> np.ndarray:
+    """`byte_tables` output [T, L] -> `_sign_tables` [T, L] (byte value 255 holds the byte's sum of x)."""
     t, length = lut.shape
-    tp = _padded_tokens(t)
     lut3 = lut.reshape(t, length // 256, 256)
-    wide = np.zeros((length // 256, 256, tp), np.float32)
-    np.subtract(2.0 * lut3, lut3[:, :, 255:], out=wide[:, :, :t].transpose(2, 0, 1))
+    return (2.0 * lut3 - lut3[:, :, 255:]).reshape(t, length)
+
+
+def _item_table(tables: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The sign tables [*, L] of t <= 4 rows -> [L] items of t' = 1, 2 or 4 tokens side by side (`_ITEM_DTYPES`);
+    one row's table is used in place."""
+    t, length = rows.size, tables.shape[1]
+    tp = _padded_tokens(t)
+    if tp == 1:
+        return tables[rows[0]]
+    wide = np.zeros((length, tp), np.float32)
+    wide[:, :t] = tables[rows].T
     return wide.view(_ITEM_DTYPES[tp]).reshape(length)
+
+
+def _by_items(tables: np.ndarray, rows: np.ndarray, project_items) -> np.ndarray:
+    """project_items(item table, tokens) over `rows` of the sign tables [*, L] in chunks of <= 4 -> [rows, N]."""
+    parts = [project_items(_item_table(tables, rows[i : i + _MAX_ITEM_TOKENS]), min(_MAX_ITEM_TOKENS, rows.size - i))
+             for i in range(0, rows.size, _MAX_ITEM_TOKENS)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _thread_buffer(name: str, key: tuple, make) -> np.ndarray:
@@ -133,7 +144,7 @@ def _index_buffer(planes: int, kw: int, nb: int) -> np.ndarray:
 
 
 def _project_signed(table: np.ndarray, t: int, bits: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
-    """`project` from sign tables (`_signed_tables`, T = t tokens) -> y float32 [t, N].
+    """`project` from an item table of t <= 4 tokens (`_item_table`) -> y float32 [t, N].
 
     y[t, n] = sum_{p, g} scale[p, g, n] * sum over the bytes c of group g of table[c*256 + byte(p, c, n), t]:
     per column block, one strided byte copy into the preset index array, one take and one reduction over each
@@ -170,13 +181,8 @@ def project(lut: np.ndarray, xsum: np.ndarray, bits: np.ndarray, scales: np.ndar
     scales [P, groups, N] (any float dtype) -> y float32 [T, N]. (The sums of x are read off the tables, where
     byte value 255 holds them, so xsum is implied and not used.)"""
     del xsum
-    t = lut.shape[0]
-    parts = [
-        _project_signed(_signed_from_lut(lut[i : i + _MAX_ITEM_TOKENS]), min(_MAX_ITEM_TOKENS, t - i), bits, scales,
-                        group)
-        for i in range(0, t, _MAX_ITEM_TOKENS)
-    ]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return _by_items(_signs_from_lut(lut), np.arange(lut.shape[0]),
+                     lambda table, t: _project_signed(table, t, bits, scales, group))
 
 
 def project_blocked(x: np.ndarray, xsum: np.ndarray, bits: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
@@ -229,20 +235,18 @@ class PackedStack:
     def expert_output(self, e: int, x: np.ndarray, lut: np.ndarray, xsum: np.ndarray) -> np.ndarray:
         """down_e(silu(gate_e x) * up_e x) for rows x [T, H] (with their gate_up tables) -> [T, H] float32.
         Few rows use the byte tables, many (prefill) the blocked BLAS path."""
-        t = x.shape[0]
-        if t < BLOCKED_MIN_TOKENS:
-            parts = [self._table_output(e, _signed_from_lut(lut[i : i + _MAX_ITEM_TOKENS]),
-                                        min(_MAX_ITEM_TOKENS, t - i)) for i in range(0, t, _MAX_ITEM_TOKENS)]
-            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if x.shape[0] < BLOCKED_MIN_TOKENS:
+            return _by_items(_signs_from_lut(lut), np.arange(x.shape[0]), functools.partial(self._table_output, e))
         return self._blocked_output(e, x, xsum)
 
     def _table_output(self, e: int, table: np.ndarray, t: int) -> np.ndarray:
-        """The byte-table path for t <= 4 rows from their gate_up sign tables (`_signed_tables`)."""
+        """The byte-table path for t <= 4 rows from their gate_up item table (`_item_table`)."""
         inter = self.down_bits.shape[2] * WORD_BITS
         g = self.group
         gu = _project_signed(table, t, self.gate_up_bits[e], self.gate_up_scales[e], g)
         act = silu(gu[:, :inter]) * gu[:, inter:]
-        return _project_signed(_signed_tables(act), t, self.down_bits[e], self.down_scales[e], g)
+        return _project_signed(_item_table(_sign_tables(act), np.arange(t)), t, self.down_bits[e], self.down_scales[e],
+                               g)
 
     def _blocked_output(self, e: int, x: np.ndarray, xsum: np.ndarray) -> np.ndarray:
         inter = self.down_bits.shape[2] * WORD_BITS
@@ -270,8 +274,8 @@ def host_experts(
     if rows_any.size == 0:
         return out
     xr = np.ascontiguousarray(x[rows_any], np.float32)
-    tr, h = xr.shape
-    tables = _sign_products(xr.reshape(tr * (h // 8), 8)).reshape(tr, (h // 8) * 256)  # per token, 1-token items
+    tr = xr.shape[0]
+    tables = _sign_tables(xr)
     local = np.full(x.shape[0], -1, np.intp)
     local[rows_any] = np.arange(tr)
     t_idx, j_idx = np.nonzero(mask)
@@ -292,18 +296,7 @@ def host_experts(
         if t >= BLOCKED_MIN_TOKENS:
             xe = xr[rows]
             return ts, w * stack._blocked_output(e, xe, group_sums(xe, stack.group))
-        parts = []
-        for i in range(0, t, _MAX_ITEM_TOKENS):
-            sub = rows[i : i + _MAX_ITEM_TOKENS]
-            if sub.size == 1:
-                table = tables[sub[0]]
-            else:
-                tp = _padded_tokens(sub.size)
-                wide = np.zeros((tables.shape[1], tp), np.float32)
-                wide[:, : sub.size] = tables[sub].T
-                table = wide.view(_ITEM_DTYPES[tp]).reshape(tables.shape[1])
-            parts.append(stack._table_output(e, table, sub.size))
-        y = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        y = _by_items(tables, rows, functools.partial(stack._table_output, e))
         y *= w
         return ts, y
 
