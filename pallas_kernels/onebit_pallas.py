@@ -347,13 +347,16 @@ def _call(kernel, grid, out_shape, args, cfg, interpret, poison):
 
 
 def _resolve(cfg: KernelConfig, gate_up: PackedWeights, down: PackedWeights) -> KernelConfig:
+    """Tiles fitted to the shapes: powers of two dividing them; with int8 activations, K steps inside one scale
+    group."""
     inter, hidden = down.in_features, down.out_features
+    bkw1 = _pow2_divisor(gate_up.bits.shape[2], cfg.bkw1)
+    bkw2 = _pow2_divisor(down.bits.shape[2], cfg.bkw2)
+    if cfg.compute == "mma_i8":
+        bkw1 = _pow2_divisor(gate_up.words_per_group, bkw1)
+        bkw2 = _pow2_divisor(down.words_per_group, bkw2)
     return dataclasses.replace(
-        cfg,
-        bn1=_pow2_divisor(inter, cfg.bn1),
-        bn2=_pow2_divisor(hidden, cfg.bn2),
-        bkw1=_pow2_divisor(gate_up.bits.shape[2], cfg.bkw1),
-        bkw2=_pow2_divisor(down.bits.shape[2], cfg.bkw2),
+        cfg, bn1=_pow2_divisor(inter, cfg.bn1), bn2=_pow2_divisor(hidden, cfg.bn2), bkw1=bkw1, bkw2=bkw2
     )
 
 
@@ -467,11 +470,7 @@ def moe_experts_1bit_pallas(
 ):
     t, k = expert_ids.shape
     cfg = _resolve(config or default_config(t), gate_up, down)
-    quant = cfg.compute == "mma_i8"
-    if quant:  # a K step must stay inside one scale group
-        cfg = dataclasses.replace(cfg, bkw1=min(cfg.bkw1, _pow2_divisor(gate_up.words_per_group, cfg.bkw1)),
-                                  bkw2=min(cfg.bkw2, _pow2_divisor(down.words_per_group, cfg.bkw2)))
-    act_in = (lambda a, w: quantize_rows(a, w.group)) if quant else (lambda a, w: a)
+    act_in = (lambda a, w: quantize_rows(a, w.group)) if cfg.compute == "mma_i8" else (lambda a, w: a)
     schedule = cfg.schedule
     if schedule == "auto":
         schedule = "pairs" if t <= cfg.pairs_max_tokens else "grouped"
