@@ -50,15 +50,13 @@ def op_components(hlo_text: str) -> dict[str, str]:
 
 
 def kernel_events(trace: dict) -> list[dict]:
-    """Device kernel events (those naming an HLO instruction) of a Perfetto/Chrome trace."""
+    """The kernel events of a Perfetto/Chrome trace: every event on a device, else (no device in the trace, as on
+    a CPU) the events that name an HLO instruction."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in processes.items() if "GPU" in name or "device" in name.lower()}
-    out = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
-    if not any(e["pid"] in device for e in out):  # device kernels without instruction names: take them all
-        out = [e for e in events if e.get("ph") == "X" and e.get("pid") in device] or out
-    on_device = [e for e in out if e["pid"] in device]
-    return on_device or out
+    timed = [e for e in events if e.get("ph") == "X"]
+    return [e for e in timed if e.get("pid") in device] or [e for e in timed if "hlo_op" in e.get("args", {})]
 
 
 _SUFFIX = re.compile(r"_(\d+)$")
@@ -71,7 +69,7 @@ def kernel_family(name: str) -> str:
 
 def event_component(event: dict, comps: dict[str, str]) -> str:
     """The component of one kernel event: through its `hlo_op`, else through its own name as an instruction."""
-    for inst in (event["args"].get("hlo_op", ""), _SUFFIX.sub(r".\1", event["name"]), event["name"]):
+    for inst in (event.get("args", {}).get("hlo_op", ""), _SUFFIX.sub(r".\1", event["name"]), event["name"]):
         if inst in comps:
             return comps[inst]
     return f"other: {kernel_family(event['name'])}"
