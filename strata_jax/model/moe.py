@@ -48,6 +48,12 @@ class ExpertSlots(nnx.Variable):
     """int32 [E]: the device pool slot of each expert, -1 for experts computed on the host."""
 
 
+def _initial_slots(num_experts: int, pool: int) -> jax.Array:
+    """Experts 0..pool-1 in slots 0..pool-1, the others on the host."""
+    e = jnp.arange(num_experts, dtype=jnp.int32)
+    return jnp.where(e < pool, e, -1)
+
+
 class RoutingCounts(nnx.Variable):
     """int32 [E]: routed (real token, expert) pairs per expert since the engine last read and cleared them."""
 
@@ -139,8 +145,7 @@ class PackedExperts(nnx.Module):
         self.down_scales = empty_param((pool, p, -(-i // g), h), jnp.bfloat16)
         self.host = HostTier(g) if pool < e else None
         if self.host is not None:
-            slots = jnp.where(jnp.arange(e) < pool, jnp.arange(e), -1).astype(jnp.int32)
-            self.slot_of = ExpertSlots(slots)
+            self.slot_of = ExpertSlots(_initial_slots(e, pool))
             self.counts = RoutingCounts(jnp.zeros((e,), jnp.int32))
 
     def load(self, kind: str, bits, scales) -> None:
@@ -159,7 +164,7 @@ class PackedExperts(nnx.Module):
         getattr(self, f"{kind}_scales").set_value(jnp.asarray(scales[: self.pool_size]))
         # Built abstractly (nnx.eval_shape) like the parameters: make the map and the counters concrete too.
         e = self.num_experts
-        self.slot_of.set_value(jnp.asarray(np.where(np.arange(e) < self.pool_size, np.arange(e), -1), jnp.int32))
+        self.slot_of.set_value(_initial_slots(e, self.pool_size))
         self.counts.set_value(jnp.zeros((e,), jnp.int32))
 
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
