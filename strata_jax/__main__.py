@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "every expert stays resident); experts that do not fit run on the host")
     srv.add_argument("--pool-workers", type=int, default=None,
                      help="host expert pool threads (default: the CPU quota granted, minus one)")
+    srv.add_argument("--host-kernel", choices=("xla", "numpy"), default="xla",
+                     help="how host experts are computed: xla (compiled by XLA:CPU, default) or numpy (the "
+                     "reference, ~2-3x slower)")
     srv.add_argument("--gpu-experts", type=int, default=None,
                      help="experts per MoE layer in the device pool, overriding the plan (packed experts only)")
     srv.add_argument("--draft", default="none",
@@ -197,19 +200,20 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> int | None:
         make_plan,
         probe_device_memory,
     )
-    from strata_jax.host.tier import configure_workers
+    from strata_jax.host.tier import configure_kernel, configure_workers
 
     if args.gpu_experts is not None and not (model_dir / "strata_quant.json").is_file():
         raise ValueError("--gpu-experts needs packed experts: convert the checkpoint with `python -m strata_jax "
                          "quantize` first")
     budget = cpu_budget(pool_workers=args.pool_workers)
     configure_workers(budget.workers)
+    configure_kernel(args.host_kernel)
     device = probe_device_memory()
     if device is None and args.vram_budget_mib is None:
         print(describe(budget), flush=True)
         if args.gpu_experts is not None:
             print(f"host expert tier: --gpu-experts {args.gpu_experts} experts per MoE layer in the device pool, "
-                  f"the others computed by {budget.workers} host worker(s)", flush=True)
+                  f"the others computed by {budget.workers} host worker(s) ({args.host_kernel})", flush=True)
             return args.gpu_experts
         print("memory plan: no device memory statistics (CPU backend) and no --vram-budget-mib: every weight stays "
               "resident", flush=True)
@@ -236,7 +240,8 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> int | None:
         print(f"--gpu-experts {pool} overrides the plan's pool of {plan.gpu_experts}", flush=True)
     if pool is not None:
         print(f"host expert tier: {pool} of {plan.num_experts} experts per MoE layer in the device pool, the others "
-              f"computed by {budget.workers} host worker(s); hot experts are promoted while serving", flush=True)
+              f"computed by {budget.workers} host worker(s) ({args.host_kernel}); hot experts are promoted while "
+              "serving", flush=True)
     return pool
 
 

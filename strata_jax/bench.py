@@ -10,6 +10,8 @@ logits and the greedy continuation. Mode `load`: time to quantize a HF checkpoin
 directory `quantize` wrote (on a synthetic HF checkpoint written to a temporary directory).
 Mode `tier`: decode tok/s and the GPU expert pool's hit rate under VRAM budgets that keep all, half or a quarter of
 the experts on the device (the rest computed on the host), uniform vs Zipf routing (strata_jax/bench_tier.py).
+Mode `host`: one MoE layer's host expert work alone, per host kernel (`--host-kernel xla,numpy`), for the
+(tokens, host pairs) of `--host-pairs`; no device involved.
 Mode `step`: the engine's decode step (one token for every slot) on a synthetic model at
 real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
 host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.bench_tier import print_tier_table, run_tier, tier_args
+from strata_jax.bench_tier import print_host_table, print_tier_table, run_host_layer, run_tier, tier_args
 from strata_jax.bench_users import print_users_table, run_users, users_args
 from strata_jax.config import DEMO_MODEL, ExpertQuantization
 from strata_jax.engine.steps import _decode, _verify, on_weight_leaves
@@ -271,7 +273,7 @@ def _write_json(path: str, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier"], default="users",
+    p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host"], default="users",
                    help="what to measure (default: users, the seed system's scenario)")
     p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -312,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "tier":  # the host expert tier under VRAM budgets (strata_jax/bench_tier.py)
         rows = run_tier(args)
         print_tier_table(rows)
+    elif args.mode == "host":  # one layer's host experts alone, per host kernel
+        rows = run_host_layer(args)
+        print_host_table(rows)
     else:
         rows = run_step_bench(args)
         print_table(rows)

@@ -30,6 +30,7 @@ from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
 from strata_jax.engine.planner import MIB, MemoryPlan, device_memory, make_plan
 from strata_jax.engine.steps import _decode, on_weight_leaves
+from strata_jax.host import tier as host_tier
 from strata_jax.model.moe import add_routing_bias
 from strata_jax.synthetic import preset_config, synthetic_model
 
@@ -88,6 +89,7 @@ def run_tier(args) -> list[dict]:
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     quant = ExpertQuantization(planes=args.planes, group=args.group, impl=args.impl)
     routings = args.routing.split(",")
+    host_tier.configure_kernel(args.host_kernel.split(",")[0])
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     # A budget is planned for the largest slot count that fits it, as `serve --slots N` would, and that pool serves
     # the smaller slot counts too (larger ones are refused rows). Models are shared by pool size.
@@ -152,53 +154,121 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
             set_routing(state, routing, args.zipf_s)
             for layer in placement.layers:
                 layer.score[:] = 0.0
-            cache = random_cache(cfg, s, args.ctx, args.fill, model.dtype)
-            ins = inputs(s)
-
-            def step(cache, ins, fn=compiled[s]):
-                out = fn(weights(), cache, *ins)
-                placement.store_counts(out[3])
-                tokens = np.asarray(out[0])  # the engine reads the tokens every step ...
-                placement.tick()
-                return out[2], (jnp.asarray(tokens), *ins[1:])  # ... and feeds them back
-
-            for _ in range(args.warm_steps):
-                cache, ins = step(cache, ins)
-            placement.round(place=False)
-            before = placement.stats()
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                cache, ins = step(cache, ins)
-                times.append(time.perf_counter() - t0)
-            placement.round(place=False)
-            after = placement.stats()
-            pairs = after.get("expert_pairs_total", 0) - before.get("expert_pairs_total", 0)
-            hits = after.get("expert_gpu_pairs_total", 0) - before.get("expert_gpu_pairs_total", 0)
-            step_ms = statistics.median(times) * 1e3
-            row = {
-                "budget": label, "budget_mib": mib, "gpu_experts": plan.gpu_experts, "experts": plan.num_experts,
-                "slots": s, "routing": routing, "step_ms": step_ms, "mean_step_ms": statistics.mean(times) * 1e3,
-                "tok_s": s / step_ms * 1e3, "hit_rate": hits / pairs if placement.active and pairs else 1.0,
-                "promotions": after.get("expert_promotions_total", 0),
-            }
-            rows.append(row)
-            print(f"budget {label} ({mib} MiB, {plan.gpu_experts}/{plan.num_experts} experts on the device), "
-                  f"{s} slots, {routing}: {row['tok_s']:.1f} tok/s ({step_ms:.1f} ms/step), "
-                  f"hit rate {row['hit_rate']:.1%}", flush=True)
-            del cache
+            for kernel in args.host_kernel.split(",") if placement.active else ["-"]:
+                for layer in placement.layers:
+                    layer.module.host.use_kernel(kernel)
+                rows.append(_time_row(args, cfg, model, placement, compiled[s], weights, inputs(s), random_cache,
+                                      dict(budget=label, budget_mib=mib, gpu_experts=plan.gpu_experts,
+                                           experts=plan.num_experts, slots=s, routing=routing, host_kernel=kernel)))
     return rows
 
 
+def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, weights, ins, random_cache,
+              row: dict) -> dict:
+    """Warm-up steps (placement adapts), then `args.steps` timed decode steps -> the row with its measurements."""
+    s = row["slots"]
+    cache = random_cache(cfg, s, args.ctx, args.fill, model.dtype)
+
+    def step(cache, ins):
+        out = fn(weights(), cache, *ins)
+        placement.store_counts(out[3])
+        tokens = np.asarray(out[0])  # the engine reads the tokens every step ...
+        placement.tick()
+        return out[2], (jnp.asarray(tokens), *ins[1:])  # ... and feeds them back
+
+    for _ in range(args.warm_steps):
+        cache, ins = step(cache, ins)
+    placement.round(place=False)
+    before = placement.stats()
+    host_before = host_tier.busy()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        cache, ins = step(cache, ins)
+        times.append(time.perf_counter() - t0)
+    placement.round(place=False)
+    after = placement.stats()
+    host_calls, host_s = (b - a for a, b in zip(host_before, host_tier.busy()))
+    pairs = after.get("expert_pairs_total", 0) - before.get("expert_pairs_total", 0)
+    hits = after.get("expert_gpu_pairs_total", 0) - before.get("expert_gpu_pairs_total", 0)
+    step_ms = statistics.median(times) * 1e3
+    row.update(step_ms=step_ms, mean_step_ms=statistics.mean(times) * 1e3, tok_s=s / step_ms * 1e3,
+               hit_rate=hits / pairs if placement.active and pairs else 1.0,
+               promotions=after.get("expert_promotions_total", 0), host_ms=host_s / args.steps * 1e3,
+               host_calls=host_calls / args.steps, host_pairs=(pairs - hits) / args.steps)
+    print(f"budget {row['budget']} ({row['budget_mib']} MiB, {row['gpu_experts']}/{row['experts']} experts on the "
+          f"device), {s} slots, {row['routing']}: {row['tok_s']:.1f} tok/s ({step_ms:.1f} ms/step), hit rate "
+          f"{row['hit_rate']:.1%}; host kernel {row['host_kernel']}: {row['host_ms']:.1f} ms/step in "
+          f"{row['host_calls']:.0f} callbacks for {row['host_pairs']:.0f} pairs", flush=True)
+    return row
+
+
+def run_host_layer(args) -> list[dict]:
+    """`--mode host`: one MoE layer's host work alone (`HostTier.compute` on random packed experts at `--preset`
+    shapes, the real worker pool), for each `--host-kernel` and each (tokens, host pairs) of `--host-pairs`:
+    median latency over `--steps` calls after 5 untimed ones. No device involved."""
+    cfg = preset_config(args.preset)
+    e, h, i, g, p = min(cfg.num_experts, 64), cfg.hidden_size, cfg.moe_intermediate_size, args.group, args.planes
+    rng = np.random.default_rng(0)
+    tier = host_tier.HostTier(g)
+    for name, shape in (("gate_up", (e, p, h, 2 * i)), ("down", (e, p, i, h))):
+        *lead, k, n = shape
+        tier.set(f"{name}_bits", rng.integers(0, 2**32, (*lead, k // 32, n), dtype=np.uint64).astype(np.uint32))
+        tier.set(f"{name}_scales", jnp.asarray(rng.uniform(0.01, 0.05, (*lead, -(-k // g), n)), jnp.bfloat16))
+    print(f"host: {host_tier.worker_pool()._max_workers} pool workers; {e} experts at {args.preset} shapes",
+          flush=True)
+    rows = []
+    for kernel in args.host_kernel.split(","):
+        tier.use_kernel(kernel)
+        tier.warm_up(8)
+        for spec in args.host_pairs.split(","):
+            t, pairs = (int(v) for v in spec.split(":"))
+            k = cfg.num_experts_per_tok
+            if pairs > t * k:
+                raise ValueError(f"--host-pairs {spec}: {t} tokens route at most {t * k} pairs")
+            x = rng.standard_normal((t, h)).astype(np.float32)
+            ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+            w = rng.uniform(size=(t, k)).astype(np.float32)
+            mask = np.zeros(t * k, bool)
+            mask[rng.choice(t * k, pairs, replace=False)] = True
+            mask = mask.reshape(t, k)
+            for _ in range(5):
+                tier.compute(x, ids, w, mask)
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                tier.compute(x, ids, w, mask)
+                times.append(time.perf_counter() - t0)
+            ms = statistics.median(times) * 1e3
+            rows.append({"host_kernel": kernel, "tokens": t, "pairs": pairs, "layer_ms": ms, "pair_ms": ms / pairs})
+            print(f"{kernel}: {t} token(s), {pairs} host pairs: {ms:.2f} ms per layer ({ms / pairs:.3f} ms per pair)",
+                  flush=True)
+    return rows
+
+
+def print_host_table(rows: list[dict]) -> None:
+    kernels = list(dict.fromkeys(r["host_kernel"] for r in rows))
+    print("\n| tokens | host pairs | " + " | ".join(f"{k} ms/layer" for k in kernels) + " | " +
+          " | ".join(f"{k} / {kernels[0]}" for k in kernels[1:]) + " |")
+    print("|---|---|" + "---|" * (2 * len(kernels) - 1))
+    by = {(r["host_kernel"], r["tokens"], r["pairs"]): r["layer_ms"] for r in rows}
+    for t, pairs in dict.fromkeys((r["tokens"], r["pairs"]) for r in rows):
+        base = by[(kernels[0], t, pairs)]
+        print(f"| {t} | {pairs} | " + " | ".join(f"{by[(k, t, pairs)]:.2f}" for k in kernels) + " | " +
+              " | ".join(f"{by[(k, t, pairs)] / base:.2f}x" for k in kernels[1:]) + " |")
+
+
 def print_tier_table(rows: list[dict]) -> None:
-    print("\n| budget | experts on GPU | slots | routing | decode tok/s | ms/step | GPU hit rate |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| budget | experts on GPU | slots | routing | host kernel | decode tok/s | ms/step | host ms/step "
+          "(pairs) | GPU hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "refused" in r:
-            print(f"| {r['budget']} ({r['budget_mib']} MiB) | refused | {r['slots']} | - | - | - | - |")
+            print(f"| {r['budget']} ({r['budget_mib']} MiB) | refused | {r['slots']} | - | - | - | - | - | - |")
             continue
         print(f"| {r['budget']} ({r['budget_mib']} MiB) | {r['gpu_experts']}/{r['experts']} | {r['slots']} "
-              f"| {r['routing']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} | {r['hit_rate']:.1%} |")
+              f"| {r['routing']} | {r['host_kernel']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} | {r['host_ms']:.1f} "
+              f"({r['host_pairs']:.0f}) | {r['hit_rate']:.1%} |")
 
 
 def tier_args(p) -> None:
@@ -208,4 +278,9 @@ def tier_args(p) -> None:
                    help="tier mode: comma-separated budgets: all | half | quarter (that share of the experts on "
                    "the device, the rest planned as usual) or MiB (e.g. 24576,12288)")
     p.add_argument("--warm-steps", type=int, default=48, help="tier mode: untimed decode steps before timing")
+    p.add_argument("--host-kernel", default="xla",
+                   help="tier mode: comma-separated host kernels to time on the same model: xla (compiled by "
+                   "XLA:CPU, default) and/or numpy (the reference)")
+    p.add_argument("--host-pairs", default="1:3,1:7,1:10,8:40",
+                   help="host mode: comma-separated TOKENS:PAIRS, the host pairs of one layer to time")
     p.add_argument("--placement-every", type=int, default=8, help="tier mode: steps between placement rounds")

@@ -4,7 +4,9 @@ split; hot-expert placement raises the pool's hit rate under skewed traffic with
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import FIXTURES
@@ -27,7 +29,10 @@ def test_split_matches_all_resident(resident, gpu_experts):
     split = strata_jax.load_model(CKPT, quantize="1bit", group=64, gpu_experts=gpu_experts)
     ids = np.asarray([PROMPT + PROMPT[:6], PROMPT[::-1] + PROMPT[:6]], np.int32)
     a, b = resident.logits(ids), split.logits(ids)
-    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+    # On a GPU the pool's experts go through the Pallas kernel (bf16 activations, ~2e-3 relative: bench_kernels'
+    # checks) and the host's in float32, so the two runs differ by the kernel's rounding; on CPU both are float32.
+    tol = 1e-4 if jax.default_backend() == "cpu" else 1e-2
+    assert np.abs(a - b).max() <= tol * np.abs(a).max()
     assert split.generate(PROMPT, 12, stop_at_eos=False) == resident.generate(PROMPT, 12, stop_at_eos=False)
 
 
@@ -74,7 +79,6 @@ def test_placement_raises_hit_rate_and_keeps_outputs():
 
 
 def test_host_round_trip_only_when_a_host_expert_is_routed():
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -109,6 +113,9 @@ def test_worker_pool_limits_blas_to_one_thread():
     from strata_jax.host import tier
 
     tier.worker_pool()
-    blas = threadpoolctl.threadpool_info()
-    blas = [i for i in blas if i["user_api"] == "blas"]
-    assert blas and all(i["num_threads"] == 1 for i in blas)
+    # numpy's own BLAS, the one the host path calls (scipy, loaded later by other code, brings its own copy).
+    numpy_dir = Path(np.__file__).parent.parent
+    blas = [i for i in threadpoolctl.threadpool_info()
+            if i["user_api"] == "blas" and Path(i["filepath"]).is_relative_to(numpy_dir)
+            and "numpy" in Path(i["filepath"]).relative_to(numpy_dir).parts[0]]
+    assert blas and all(i["num_threads"] == 1 for i in blas), blas

@@ -139,7 +139,7 @@ class ExpertPlacement:
         pad_slots[: len(slots)] = slots
         pad_experts = np.zeros(m, np.int64)
         pad_experts[: len(experts)] = experts
-        rows = tuple(jnp.asarray(layer.module.host.get(k)[pad_experts]) for k in _KINDS)
+        rows = tuple(jnp.asarray(layer.module.host.rows(k, pad_experts)) for k in _KINDS)
         pool = tuple(layer.leaves[k].get_value() for k in _KINDS)
         new = _write_pool(pool, jnp.asarray(pad_slots), rows)
         for k, arr in zip(_KINDS, new):

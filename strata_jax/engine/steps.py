@@ -285,6 +285,12 @@ class DeviceSteps:
 
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             self._compiled.update(pool.map(compile_one, jobs))
+        if self.placement.active:  # the host experts' compiled shapes: up to every row a step can route to one expert
+            t0 = time.monotonic()
+            rows_max = max(self.config.slots * (self.config.draft_k + 1), *self.config.prefill_chunks)
+            self.placement.layers[0].module.host.warm_up(rows_max)
+            print(f"warm-up: host expert kernels (up to {rows_max} rows per expert) ready in "
+                  f"{time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
         for name, width, args in jobs:  # one real run each: the first call of an executable has its own costs
             out = self._run(name, width, args)
             self.cache = out[-1]

@@ -143,13 +143,30 @@ def _index_buffer(planes: int, kw: int, nb: int) -> np.ndarray:
     return _thread_buffer("index", (planes, kw, nb), make)
 
 
+def _byte_rows(bits: np.ndarray) -> np.ndarray:
+    """Weight bits of one expert in either layout -> a uint8 [P, K/32, 4, N] view: entry (p, w, b, n) = byte b of
+    packed word w (inputs 32w + 8b .. 32w + 8b + 7). Accepts packed words uint32 [P, K/32, N] (the checkpoint's
+    layout; strided view) or byte-major uint8 [P, K/8, N] (`strata_jax.host.experts_xla.words_to_bytes`)."""
+    if bits.dtype == np.uint8:
+        planes, rows, n = bits.shape
+        return bits.reshape(planes, rows // 4, 4, n)
+    planes, kw, n = bits.shape
+    return bits.view(np.uint8).reshape(planes, kw, n, 4).transpose(0, 1, 3, 2)
+
+
+def _inputs(bits: np.ndarray) -> int:
+    """K, the input features of packed bits in either layout (`_byte_rows`)."""
+    return bits.shape[-2] * (8 if bits.dtype == np.uint8 else WORD_BITS)
+
+
 def _project_signed(table: np.ndarray, t: int, bits: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
     """`project` from an item table of t <= 4 tokens (`_item_table`) -> y float32 [t, N].
 
     y[t, n] = sum_{p, g} scale[p, g, n] * sum over the bytes c of group g of table[c*256 + byte(p, c, n), t]:
     per column block, one strided byte copy into the preset index array, one take and one reduction over each
     group's bytes, all planes at once."""
-    planes, kw, n = bits.shape
+    b4 = _byte_rows(bits)
+    planes, kw, _, n = b4.shape
     tp = table.dtype.itemsize // 4
     rows = kw * 4  # bytes of weights along the input axis
     bpg = group // 8
@@ -157,12 +174,11 @@ def _project_signed(table: np.ndarray, t: int, bits: np.ndarray, scales: np.ndar
     full = rows // bpg
     blocks = -(-(planes * rows * n * 8) // _BLOCK_INDEX_BYTES)
     nb = -(-n // blocks)
-    b8 = bits.view(np.uint8).reshape(planes, kw, n, 4)
     sums = np.empty((planes, groups, n, tp), np.float32)
     for n0 in range(0, n, nb):
         m = min(nb, n - n0)
         idx = _index_buffer(planes, kw, m)
-        np.copyto(idx.view(np.uint8)[..., _LOW_BYTE :: idx.itemsize], b8[:, :, n0 : n0 + m].transpose(0, 1, 3, 2))
+        np.copyto(idx.view(np.uint8)[..., _LOW_BYTE :: idx.itemsize], b4[..., n0 : n0 + m])
         masked = _thread_buffer("masked", (planes, rows, m, table.dtype), lambda: np.empty((planes, rows, m), table.dtype))
         np.take(table, idx.reshape(planes, rows, m), out=masked, mode="wrap")  # in range by construction
         mf = masked.view(np.float32).reshape(planes, rows, m, tp)
@@ -177,8 +193,8 @@ def _project_signed(table: np.ndarray, t: int, bits: np.ndarray, scales: np.ndar
 def project(lut: np.ndarray, xsum: np.ndarray, bits: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
     """One expert's projection of T tokens from their byte tables.
 
-    lut [T, K/8*256] (`byte_tables`), xsum [T, groups] (sum of x per scale group), bits uint32 [P, K/32, N],
-    scales [P, groups, N] (any float dtype) -> y float32 [T, N]. (The sums of x are read off the tables, where
+    lut [T, K/8*256] (`byte_tables`), xsum [T, groups] (sum of x per scale group), bits uint32 [P, K/32, N]
+    (or byte-major, `_byte_rows`), scales [P, groups, N] (any float dtype) -> y float32 [T, N]. (The sums of x are read off the tables, where
     byte value 255 holds them, so xsum is implied and not used.)"""
     del xsum
     return _by_items(_signs_from_lut(lut), np.arange(lut.shape[0]),
@@ -191,15 +207,15 @@ def project_blocked(x: np.ndarray, xsum: np.ndarray, bits: np.ndarray, scales: n
     with the tokens, where the table gathers grow linearly (crossover ~3 tokens at Flash-Next shapes).
 
     x [T, K] float32, xsum [T, groups], bits uint32 [P, K/32, N], scales [P, groups, N] -> y float32 [T, N]."""
-    planes, kw, n = bits.shape
+    b4 = _byte_rows(bits)
+    planes, kw, _, n = b4.shape
     wpg = group // WORD_BITS
     y = np.zeros((x.shape[0], n), np.float32)
     for p in range(planes):
-        b8 = bits[p].view(np.uint8).reshape(kw, n, 4)
         for g, w0 in enumerate(range(0, kw, wpg)):
             w1 = min(kw, w0 + wpg)
-            ones = np.unpackbits(b8[w0:w1], axis=-1, bitorder="little")  # [words, n, 32]: bit j = input 32w + j
-            block = ones.transpose(0, 2, 1).reshape((w1 - w0) * WORD_BITS, n).astype(np.float32)
+            ones = np.unpackbits(b4[p, w0:w1, :, :, None], axis=-1, bitorder="little")  # [words, 4, n, 8]
+            block = ones.transpose(0, 1, 3, 2).reshape((w1 - w0) * WORD_BITS, n).astype(np.float32)
             masked = x[:, w0 * WORD_BITS : w1 * WORD_BITS] @ block
             y += scales[p, g].astype(np.float32) * (2.0 * masked - xsum[:, g : g + 1])
     return y
@@ -218,7 +234,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 class PackedStack:
     """One MoE layer's packed experts as host numpy arrays (all E experts; possibly memory maps)."""
 
-    gate_up_bits: np.ndarray  # uint32 [E, P, H/32, 2I]
+    gate_up_bits: np.ndarray  # uint32 [E, P, H/32, 2I], or byte-major uint8 [E, P, H/8, 2I] (`_byte_rows`)
     gate_up_scales: np.ndarray  # bf16 [E, P, ceil(H/g), 2I]
     down_bits: np.ndarray  # uint32 [E, P, I/32, H]
     down_scales: np.ndarray  # bf16 [E, P, ceil(I/g), H]
@@ -241,7 +257,7 @@ class PackedStack:
 
     def _table_output(self, e: int, table: np.ndarray, t: int) -> np.ndarray:
         """The byte-table path for t <= 4 rows from their gate_up item table (`_item_table`)."""
-        inter = self.down_bits.shape[2] * WORD_BITS
+        inter = _inputs(self.down_bits)
         g = self.group
         gu = _project_signed(table, t, self.gate_up_bits[e], self.gate_up_scales[e], g)
         act = silu(gu[:, :inter]) * gu[:, inter:]
@@ -249,11 +265,23 @@ class PackedStack:
                                g)
 
     def _blocked_output(self, e: int, x: np.ndarray, xsum: np.ndarray) -> np.ndarray:
-        inter = self.down_bits.shape[2] * WORD_BITS
+        inter = _inputs(self.down_bits)
         g = self.group
         gu = project_blocked(x, xsum, self.gate_up_bits[e], self.gate_up_scales[e], g)
         act = silu(gu[:, :inter]) * gu[:, inter:]
         return project_blocked(act, group_sums(act, g), self.down_bits[e], self.down_scales[e], g)
+
+
+def expert_tasks(ids: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """The masked pairs of ids/weights/mask [T, k] grouped by expert: [(expert, its token rows [t], weights float32
+    [t, 1])], experts ascending, rows ascending within an expert."""
+    t_idx, j_idx = np.nonzero(mask)
+    experts = ids[t_idx, j_idx]
+    order = np.argsort(experts, kind="stable")
+    t_idx, j_idx, experts = t_idx[order], j_idx[order], experts[order]
+    bounds = np.flatnonzero(np.diff(experts)) + 1
+    return [(int(ids[ts[0], js[0]]), ts, weights[ts, js].astype(np.float32)[:, None])
+            for ts, js in zip(np.split(t_idx, bounds), np.split(j_idx, bounds)) if ts.size]
 
 
 def host_experts(
@@ -270,30 +298,19 @@ def host_experts(
     masked pair are 0). One task per distinct expert, run on `pool` when given. The gate_up sign tables are built
     once per token and shared by its experts."""
     out = np.zeros((x.shape[0], stack.hidden), np.float32)
-    rows_any = np.flatnonzero(mask.any(axis=1))
-    if rows_any.size == 0:
+    tasks = expert_tasks(ids, weights, mask)
+    if not tasks:
         return out
+    rows_any = np.flatnonzero(mask.any(axis=1))
     xr = np.ascontiguousarray(x[rows_any], np.float32)
-    tr = xr.shape[0]
     tables = _sign_tables(xr)
     local = np.full(x.shape[0], -1, np.intp)
-    local[rows_any] = np.arange(tr)
-    t_idx, j_idx = np.nonzero(mask)
-    experts = ids[t_idx, j_idx]
-    order = np.argsort(experts, kind="stable")
-    t_idx, j_idx, experts = t_idx[order], j_idx[order], experts[order]
-    bounds = np.flatnonzero(np.diff(experts)) + 1
-    tasks = []
-    for ts, js in zip(np.split(t_idx, bounds), np.split(j_idx, bounds)):
-        e = int(ids[ts[0], js[0]])
-        rows = local[ts]
-        w = weights[ts, js].astype(np.float32)[:, None]
-        tasks.append((e, ts, rows, w))
+    local[rows_any] = np.arange(xr.shape[0])
 
     def run(task):
-        e, ts, rows, w = task
-        t = rows.size
-        if t >= BLOCKED_MIN_TOKENS:
+        e, ts, w = task
+        rows = local[ts]
+        if rows.size >= BLOCKED_MIN_TOKENS:
             xe = xr[rows]
             return ts, w * stack._blocked_output(e, xe, group_sums(xe, stack.group))
         y = _by_items(tables, rows, functools.partial(stack._table_output, e))
