@@ -11,7 +11,8 @@ directory `quantize` wrote (on a synthetic HF checkpoint written to a temporary 
 Mode `tier`: decode tok/s and the GPU expert pool's hit rate under VRAM budgets that keep all, half or a quarter of
 the experts on the device (the rest computed on the host), uniform vs Zipf routing (strata_jax/bench_tier.py).
 Mode `host`: one MoE layer's host expert work alone, per host kernel (`--host-kernel xla,numpy`), for the
-(tokens, host pairs) of `--host-pairs`; no device involved.
+(tokens, host pairs) of `--host-pairs`; no device involved. Mode `roundtrip`: a host callback's cost per layer
+inside a jitted program, and whether splitting it around the device work pays (strata_jax/bench_host.py).
 Mode `step`: the engine's decode step (one token for every slot) on a synthetic model at
 real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
 host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
@@ -35,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.bench_tier import print_host_table, print_tier_table, run_host_layer, run_tier, tier_args
+from strata_jax.bench_host import host_args, print_host_table, print_roundtrip_table, run_host_layer, run_roundtrip
+from strata_jax.bench_tier import print_tier_table, run_tier, tier_args
 from strata_jax.bench_users import print_users_table, run_users, users_args
 from strata_jax.config import DEMO_MODEL, ExpertQuantization
 from strata_jax.engine.steps import _decode, _verify, on_weight_leaves
@@ -273,7 +275,7 @@ def _write_json(path: str, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host"], default="users",
+    p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip"], default="users",
                    help="what to measure (default: users, the seed system's scenario)")
     p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -297,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-hlo", metavar="DIR", help="step mode: write each compiled step's HLO text into DIR")
     users_args(p)
     tier_args(p)
+    host_args(p)
     args = p.parse_args(argv)
     if args.mode == "users" and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
@@ -314,9 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "tier":  # the host expert tier under VRAM budgets (strata_jax/bench_tier.py)
         rows = run_tier(args)
         print_tier_table(rows)
-    elif args.mode == "host":  # one layer's host experts alone, per host kernel
+    elif args.mode == "host":  # one layer's host experts alone, per host kernel (strata_jax/bench_host.py)
         rows = run_host_layer(args)
         print_host_table(rows)
+    elif args.mode == "roundtrip":  # host callbacks inside a jitted program: serial vs split
+        rows = run_roundtrip(args)
+        print_roundtrip_table(rows)
     else:
         rows = run_step_bench(args)
         print_table(rows)

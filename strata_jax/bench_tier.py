@@ -203,61 +203,6 @@ def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, wei
     return row
 
 
-def run_host_layer(args) -> list[dict]:
-    """`--mode host`: one MoE layer's host work alone (`HostTier.compute` on random packed experts at `--preset`
-    shapes, the real worker pool), for each `--host-kernel` and each (tokens, host pairs) of `--host-pairs`:
-    median latency over `--steps` calls after 5 untimed ones. No device involved."""
-    cfg = preset_config(args.preset)
-    e, h, i, g, p = min(cfg.num_experts, 64), cfg.hidden_size, cfg.moe_intermediate_size, args.group, args.planes
-    rng = np.random.default_rng(0)
-    tier = host_tier.HostTier(g)
-    for name, shape in (("gate_up", (e, p, h, 2 * i)), ("down", (e, p, i, h))):
-        *lead, k, n = shape
-        tier.set(f"{name}_bits", rng.integers(0, 2**32, (*lead, k // 32, n), dtype=np.uint64).astype(np.uint32))
-        tier.set(f"{name}_scales", jnp.asarray(rng.uniform(0.01, 0.05, (*lead, -(-k // g), n)), jnp.bfloat16))
-    print(f"host: {host_tier.worker_pool()._max_workers} pool workers; {e} experts at {args.preset} shapes",
-          flush=True)
-    rows = []
-    for kernel in args.host_kernel.split(","):
-        tier.use_kernel(kernel)
-        tier.warm_up(8)
-        for spec in args.host_pairs.split(","):
-            t, pairs = (int(v) for v in spec.split(":"))
-            k = cfg.num_experts_per_tok
-            if pairs > t * k:
-                raise ValueError(f"--host-pairs {spec}: {t} tokens route at most {t * k} pairs")
-            x = rng.standard_normal((t, h)).astype(np.float32)
-            ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
-            w = rng.uniform(size=(t, k)).astype(np.float32)
-            mask = np.zeros(t * k, bool)
-            mask[rng.choice(t * k, pairs, replace=False)] = True
-            mask = mask.reshape(t, k)
-            for _ in range(5):
-                tier.compute(x, ids, w, mask)
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                tier.compute(x, ids, w, mask)
-                times.append(time.perf_counter() - t0)
-            ms = statistics.median(times) * 1e3
-            rows.append({"host_kernel": kernel, "tokens": t, "pairs": pairs, "layer_ms": ms, "pair_ms": ms / pairs})
-            print(f"{kernel}: {t} token(s), {pairs} host pairs: {ms:.2f} ms per layer ({ms / pairs:.3f} ms per pair)",
-                  flush=True)
-    return rows
-
-
-def print_host_table(rows: list[dict]) -> None:
-    kernels = list(dict.fromkeys(r["host_kernel"] for r in rows))
-    print("\n| tokens | host pairs | " + " | ".join(f"{k} ms/layer" for k in kernels) + " | " +
-          " | ".join(f"{k} / {kernels[0]}" for k in kernels[1:]) + " |")
-    print("|---|---|" + "---|" * (2 * len(kernels) - 1))
-    by = {(r["host_kernel"], r["tokens"], r["pairs"]): r["layer_ms"] for r in rows}
-    for t, pairs in dict.fromkeys((r["tokens"], r["pairs"]) for r in rows):
-        base = by[(kernels[0], t, pairs)]
-        print(f"| {t} | {pairs} | " + " | ".join(f"{by[(k, t, pairs)]:.2f}" for k in kernels) + " | " +
-              " | ".join(f"{by[(k, t, pairs)] / base:.2f}x" for k in kernels[1:]) + " |")
-
-
 def print_tier_table(rows: list[dict]) -> None:
     print("\n| budget | experts on GPU | slots | routing | host kernel | decode tok/s | ms/step | host ms/step "
           "(pairs) | GPU hit rate |")
@@ -281,6 +226,4 @@ def tier_args(p) -> None:
     p.add_argument("--host-kernel", default="xla",
                    help="tier mode: comma-separated host kernels to time on the same model: xla (compiled by "
                    "XLA:CPU, default) and/or numpy (the reference)")
-    p.add_argument("--host-pairs", default="1:3,1:7,1:10,8:40",
-                   help="host mode: comma-separated TOKENS:PAIRS, the host pairs of one layer to time")
     p.add_argument("--placement-every", type=int, default=8, help="tier mode: steps between placement rounds")

@@ -54,3 +54,12 @@ def test_host_mode_times_each_kernel(tmp_path):
     assert [(r["host_kernel"], r["tokens"], r["pairs"]) for r in rows] == [
         ("xla", 1, 2), ("xla", 3, 5), ("numpy", 1, 2), ("numpy", 3, 5)]
     assert all(r["layer_ms"] > 0 for r in rows)
+
+
+def test_roundtrip_mode_times_each_way(tmp_path):
+    out = tmp_path / "rt.json"
+    assert main(["--mode", "roundtrip", "--preset", "tiny", "--host-pairs", "1:2", "--steps", "2",
+                 "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["tokens"], row["pairs"]) == (1, 2)
+    assert all(row[f"{m}_ms"] > 0 for m in ("device", "noop", "serial", "split"))

@@ -48,22 +48,30 @@ def _reference64(x, ids, w, mask, gu, dn):
     return out
 
 
-@pytest.mark.parametrize(
-    "e,planes,hidden,inter,group,tokens,k",
-    [(8, 1, 256, 96, 64, 5, 3), (6, 2, 320, 64, 128, 4, 2), (12, 3, 512, 160, 256, 7, 4), (4, 4, 128, 32, 64, 1, 2),
-     (2, 2, 384, 96, 256, 40, 2)],  # the last: many tokens per expert (>= BLOCKED_MIN_TOKENS), the blocked path
-)
-def test_matches_float64_reference(e, planes, hidden, inter, group, tokens, k):
+# (experts, planes, hidden, intermediate, group, tokens, top-k); the last: many tokens per expert, the blocked path.
+REFERENCE_CASES = [(8, 1, 256, 96, 64, 5, 3), (6, 2, 320, 64, 128, 4, 2), (12, 3, 512, 160, 256, 7, 4),
+                   (4, 4, 128, 32, 64, 1, 2), (2, 2, 384, 96, 256, 40, 2)]
+
+
+def reference_case(e, planes, hidden, inter, group, tokens, k):
+    """Random packed experts ((gate_up bits, scales, down bits, scales) as packed words), a routing x, ids, w and
+    a host mask (row 0's first pair always set), and the float64 reference output."""
     rng = np.random.default_rng(e * 100 + planes)
     gb, gs = _packed(rng, e, planes, hidden, 2 * inter, group)
     db, ds = _packed(rng, e, planes, inter, hidden, group)
-    stack = PackedStack(gb, gs, db, ds, group)
     x = rng.normal(size=(tokens, hidden)).astype(np.float32)
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]).astype(np.int32)
     w = rng.uniform(size=(tokens, k)).astype(np.float32)
     mask = rng.uniform(size=(tokens, k)) < 0.6
     mask[0, 0] = True
     ref = _reference64(x.astype(np.float64), ids, w, mask, _dense64(gb, gs, group), _dense64(db, ds, group))
+    return (gb, gs, db, ds), x, ids, w, mask, ref
+
+
+@pytest.mark.parametrize("e,planes,hidden,inter,group,tokens,k", REFERENCE_CASES)
+def test_matches_float64_reference(e, planes, hidden, inter, group, tokens, k):
+    (gb, gs, db, ds), x, ids, w, mask, ref = reference_case(e, planes, hidden, inter, group, tokens, k)
+    stack = PackedStack(gb, gs, db, ds, group)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         got = host_experts(stack, x, ids, w, mask, pool)
     assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())

@@ -8,18 +8,21 @@ import concurrent.futures
 import jax
 import numpy as np
 import pytest
-from test_host_experts import _dense64, _packed, _reference64
+from test_host_experts import REFERENCE_CASES, _dense64, _packed, _reference64, reference_case
 
 from strata_jax.host import tier as host_tier
 from strata_jax.host.experts_numpy import PackedStack, host_experts
 from strata_jax.host.experts_xla import DENSE_MIN_TOKENS, XlaStack, bytes_to_words, host_experts_xla, words_to_bytes
 
 
+def _xla_stack(gb, gs, db, ds, group):
+    return XlaStack(*(jax.device_put(a) for a in (words_to_bytes(gb), gs, words_to_bytes(db), ds)), group=group)
+
+
 def _stacks(rng, e, planes, hidden, inter, group):
     gb, gs = _packed(rng, e, planes, hidden, 2 * inter, group)
     db, ds = _packed(rng, e, planes, inter, hidden, group)
-    xla = XlaStack(*(jax.device_put(a) for a in (words_to_bytes(gb), gs, words_to_bytes(db), ds)), group=group)
-    return (gb, gs, db, ds), xla
+    return (gb, gs, db, ds), _xla_stack(gb, gs, db, ds, group)
 
 
 def test_byte_major_layout():
@@ -32,20 +35,10 @@ def test_byte_major_layout():
     assert np.array_equal(bytes_to_words(byts), words)
 
 
-@pytest.mark.parametrize(
-    "e,planes,hidden,inter,group,tokens,k",
-    [(8, 1, 256, 96, 64, 5, 3), (6, 2, 320, 64, 128, 4, 2), (12, 3, 512, 160, 256, 7, 4), (4, 4, 128, 32, 64, 1, 2),
-     (2, 2, 384, 96, 256, 40, 2)],  # the last: many tokens per expert, the dense path
-)
+@pytest.mark.parametrize("e,planes,hidden,inter,group,tokens,k", REFERENCE_CASES)  # the last: the dense path
 def test_matches_float64_reference(e, planes, hidden, inter, group, tokens, k):
-    rng = np.random.default_rng(e * 100 + planes)
-    (gb, gs, db, ds), stack = _stacks(rng, e, planes, hidden, inter, group)
-    x = rng.normal(size=(tokens, hidden)).astype(np.float32)
-    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    w = rng.uniform(size=(tokens, k)).astype(np.float32)
-    mask = rng.uniform(size=(tokens, k)) < 0.6
-    mask[0, 0] = True
-    ref = _reference64(x.astype(np.float64), ids, w, mask, _dense64(gb, gs, group), _dense64(db, ds, group))
+    (gb, gs, db, ds), x, ids, w, mask, ref = reference_case(e, planes, hidden, inter, group, tokens, k)
+    stack = _xla_stack(gb, gs, db, ds, group)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         got = host_experts_xla(stack, x, ids, w, mask, pool)
     assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())

@@ -1,10 +1,11 @@
 """Routed experts on the host, compiled by XLA:CPU: the byte-table formulation of `strata_jax.host.experts_numpy`
 (its reference; see its docstring for the maths) as one small jitted program per (expert, token bucket).
 
-Why a second implementation: measured on the H200 machine's host (16 cores, 2026-11-29, `scratch`-free command in
-docs/PERF.md "Host expert tier"), one (token, expert) pair at Flash-Next shapes takes 0.77 ms here against numpy's
-1.45 ms on one thread, and 0.19 ms against numpy's best 0.48 ms per pair from 15 threads: numpy's path is many
-mid-sized calls that hand the GIL around, while an XLA executable runs without it and gathers at SIMD width.
+Why a second implementation: on the H200 machine's 16-core host (2026-11-29; docs/PERF.md "Host expert tier",
+`python -m strata_jax.bench --mode host`) one layer's host work takes 2.2-2.8x less time than with numpy (3 pairs
+of one token 1.49 ms against 3.26; 40 pairs of 8 tokens 10.6 against 29.8 ms), and one pair on one thread 0.77 ms
+against 1.45: numpy's path is many mid-sized calls that hand the GIL around, while an XLA executable runs without
+it.
 
 Layout: the weight bits are *byte-major*, ``uint8 [E, P, K/8, N]`` (`words_to_bytes`), row ``4w + b`` = byte ``b`` of
 packed word ``w`` = inputs ``32w + 8b .. 32w + 8b + 7`` (bit j = input ``32w + 8b + j``), so one byte row indexes one

@@ -60,12 +60,16 @@ def busy() -> tuple[int, float]:
         return _BUSY["calls"], _BUSY["seconds"]
 
 
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"host kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+
+
 def configure_kernel(kernel: str) -> None:
     """Selects the host experts' implementation: "xla" (compiled by XLA:CPU, the default) or "numpy" (the reference).
     Takes effect for layers loaded afterwards."""
     global _KERNEL
-    if kernel not in KERNELS:
-        raise ValueError(f"host kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    _check_kernel(kernel)
     _KERNEL = kernel
 
 
@@ -112,8 +116,7 @@ class HostTier:
 
     def use_kernel(self, kernel: str) -> None:
         """Switches this layer's implementation (`configure_kernel`'s choices) without reloading (benchmarks)."""
-        if kernel not in KERNELS:
-            raise ValueError(f"host kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        _check_kernel(kernel)
         if kernel == "xla" and _cpu_device() is None:
             raise RuntimeError("the xla host kernel needs XLA's CPU backend (JAX_PLATFORMS without cpu)")
         self.kernel = kernel
