@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strata_jax.host import tier as host_tier
 from strata_jax.model.moe import PackedExperts
 
 _KINDS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
@@ -159,9 +160,11 @@ class ExpertPlacement:
             self.move(self.layers[0], [], [])
 
     def stats(self) -> dict[str, float]:
-        """For /metrics: routed pairs, pairs served by the device pool, its hit rate, promotions, rounds."""
+        """For /metrics: routed pairs, pairs served by the device pool, its hit rate, promotions, rounds, and the
+        host callbacks run and the seconds spent in them."""
         if not self.active:
             return {}
+        host_calls, host_seconds = host_tier.busy()
         with self._lock:
             # Plus the counts since the last round (the expert map has not changed since): a small device read.
             pairs, hits = self._pairs, self._hits
@@ -178,4 +181,6 @@ class ExpertPlacement:
                 "expert_placement_seconds_total": self._round_seconds,
                 "expert_pool_size": self.layers[0].module.pool_size,
                 "experts_per_layer": self.layers[0].module.num_experts,
+                "host_expert_calls_total": host_calls,
+                "host_expert_seconds_total": host_seconds,
             }
