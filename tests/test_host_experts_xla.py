@@ -94,3 +94,23 @@ def test_tier_kernels_agree_and_rows_keep_the_checkpoint_layout():
     np.testing.assert_allclose(outs["xla"], outs["numpy"], rtol=1e-4, atol=1e-5 * np.abs(outs["numpy"]).max())
     with pytest.raises(ValueError, match="host kernel"):
         host_tier.configure_kernel("cuda")
+
+
+def test_tier_without_a_cpu_backend_falls_back_to_numpy(monkeypatch):
+    """JAX_PLATFORMS=cuda leaves no XLA CPU device: the tier warns (once) and computes in numpy."""
+    rng = np.random.default_rng(4)
+    gb, gs = _packed(rng, 3, 1, 64, 64, 64)
+    db, ds = _packed(rng, 3, 1, 32, 64, 64)
+    monkeypatch.setattr(host_tier, "_cpu_device", lambda: None)
+    tier = host_tier.HostTier(64)
+    with pytest.warns(UserWarning, match="fall back to numpy"):
+        tier.set("gate_up_bits", gb)
+    for name, array in zip(tier._KINDS[1:], (gs, db, ds)):
+        tier.set(name, array)
+    assert tier.kernel == "numpy" and isinstance(tier.stack, PackedStack)
+    x, ids, w = rng.normal(size=(1, 64)).astype(np.float32), np.asarray([[2]]), np.ones((1, 1))
+    mask = np.ones((1, 1), bool)
+    expected = host_experts(PackedStack(gb, gs, db, ds, 64), x, ids, w, mask)
+    np.testing.assert_allclose(tier.compute(x, ids, w, mask), expected, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="CPU backend"):
+        tier.use_kernel("xla")
