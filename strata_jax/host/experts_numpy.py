@@ -1,5 +1,6 @@
 """Routed experts on the host, in numpy, straight from the packed 1-bit bytes (checkpoints/README.md, "Packed
-expert format"): no float32 copy of any weight matrix is ever made.
+expert format"): no float32 copy of any weight matrix is ever made. The reference of the compiled host kernel
+(`strata_jax.host.experts_xla`, the tier's default); weight bits may be packed words or byte-major (`_byte_rows`).
 
 The formulation is a lookup table over bytes of packed signs. A projection with P sign planes is::
 
