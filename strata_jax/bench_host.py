@@ -13,13 +13,12 @@
 from __future__ import annotations
 
 import concurrent.futures
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax.bench_kernels import routings, time_fn
 from strata_jax.host import tier as host_tier
 from strata_jax.synthetic import preset_config
 
@@ -49,23 +48,12 @@ def _pairs(spec: str, k: int) -> tuple[int, int]:
 
 
 def _routing(rng, t: int, pairs: int, experts: int, k: int):
-    """x [t, H]-independent routing: ids [t, k] (distinct per token), weights [t, k], and a mask of `pairs` pairs."""
-    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(t)]).astype(np.int32)
-    w = rng.uniform(size=(t, k)).astype(np.float32)
+    """A random routing of t tokens (`bench_kernels.routings`): ids [t, k], weights [t, k], and a mask of `pairs`
+    pairs."""
+    (ids,), (w,) = routings(rng, 1, t, k, experts)
     mask = np.zeros(t * k, bool)
     mask[rng.choice(t * k, pairs, replace=False)] = True
     return ids, w, mask.reshape(t, k)
-
-
-def _median_ms(fn, runs: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def run_host_layer(args) -> list[dict]:
@@ -85,7 +73,7 @@ def run_host_layer(args) -> list[dict]:
             t, pairs = _pairs(spec, k)
             x = rng.standard_normal((t, cfg.hidden_size)).astype(np.float32)
             ids, w, mask = _routing(rng, t, pairs, e, k)
-            ms = _median_ms(lambda: tier.compute(x, ids, w, mask), args.steps, warm=5)
+            ms = time_fn(tier.compute, (x, ids, w, mask), args.steps)[0] * 1e3
             rows.append({"host_kernel": kernel, "tokens": t, "pairs": pairs, "layer_ms": ms, "pair_ms": ms / pairs})
             print(f"{kernel}: {t} token(s), {pairs} host pairs: {ms:.2f} ms per layer ({ms / pairs:.3f} ms per pair)",
                   flush=True)
@@ -163,8 +151,7 @@ def run_roundtrip(args) -> list[dict]:
         ids, w, masks = (jnp.asarray(np.stack(a)) for a in zip(*routing))
         row = {"tokens": t, "pairs": pairs}
         for mode in ROUNDTRIP_MODES:
-            step = programs[mode]
-            row[f"{mode}_ms"] = _median_ms(lambda: step(x, ids, w, masks).block_until_ready(), args.steps) / LAYERS
+            row[f"{mode}_ms"] = time_fn(programs[mode], (x, ids, w, masks), args.steps)[0] * 1e3 / LAYERS
             print(f"{t} token(s), {pairs} host pairs per layer, {mode}: {row[f'{mode}_ms']:.3f} ms per layer",
                   flush=True)
         rows.append(row)
