@@ -10,13 +10,15 @@ Implementations (``impl``):
 * ``"reference"``: pure jnp, unpacks the routed experts to float32 and einsums (tests, small shapes).
 * ``"xla"``: plain XLA, gathers the routed experts' packed words and unpacks them inside one
   reduction fusion per projection (float32 throughout). The fallback off-GPU.
-* ``"pallas"``: the Pallas kernels (Triton lowering) in ``onebit_pallas`` -- bf16 dot operands,
-  float32 accumulation; x and the intermediate activation are rounded to bf16.
+* ``"pallas"``: the Pallas kernels (Triton lowering). ``default_config(T)`` picks, up to T = 128, the
+  lookup-table kernels of ``onebit_lut`` (nibble tables of the activations, one gather per 4 weights; float32
+  tables up to T = 4, bf16 from T = 8), and beyond that the MMA kernels of ``onebit_pallas`` (bf16 dot operands,
+  float32 accumulation; x and the intermediate activation rounded to bf16). docs/PERF.md has the measurements.
 * ``"auto"``: ``"pallas"`` when JAX's default backend is a GPU, else ``"xla"``.
 
 Lowering: the Pallas kernels use the Triton lowering on every GPU (the only one implemented and
 measured; it reaches consumer cards). A Mosaic GPU (``plgpu``) version for Hopper is future work --
-see docs/PERF.md. Expert ids must lie in ``[0, E)``; the kernels do not check.
+see docs/PERF.md, which also says why the lookup-table form has no Mosaic GPU counterpart yet. Expert ids must lie in ``[0, E)``; the kernels do not check.
 """
 
 from __future__ import annotations

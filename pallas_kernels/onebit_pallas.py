@@ -28,10 +28,10 @@ then one ``jnp.dot`` with the matching ``[bm, 32*bkw]`` slice of x (bf16 operand
 accumulation). ``compute="vpu"`` replaces the dot with f32 FMAs (pairs schedule only).
 
 Measured on an H200 with chained layers (docs/PERF.md, "1-bit MoE kernel"): 49 us per layer at T = 1 (pairs),
-153 us at T = 8 and 575 us at T = 64 (grouped), 5-15% of the memory floor. Neither memory nor the integer unpack
-bounds it: a TF32 variant (twice the unpacked tile's bytes) is 2x slower and dropping the bf16 conversion changes
-little, which points at the unpacked tile's round trip through shared memory into the MMA operand layout.
-``default_config(T)`` picks the measured-best schedule and tiles.
+153 us at T = 8 and 575 us at T = 64 (grouped), 5-15% of the memory floor, bound by the instructions spent per
+weight (unpack, convert, the operand's trip through shared memory; an int8 operand did not help). The lookup-table
+kernels of ``onebit_lut`` (``compute="lut"``) spend ~1.5 instructions per weight instead and are 1.6-2.3x faster
+up to T = 64; ``default_config(T)`` picks them up to T = 128 and the grouped MMA schedule beyond (prefill chunks).
 
 Triton constraints honoured here (interpret mode does not check them): all block shapes are powers
 of two; dot operands are >= 16 in every dimension (bm = 16, bn >= 16, K step = 32*bkw >= 32); both
@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, silu
+from pallas_kernels.onebit_lut import down_lut, gate_up_lut, nibble_tables, pair_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class KernelConfig:
     # "mma" | "mma2d" (bf16 jnp.dot) | "mma_tf32" (the unpacked float32 tile straight into a TF32 dot: no
     # float32 -> bf16 conversion per weight) | "mma_i8" (int8 dot of +-1 signs with the activations quantised per
     # row and scale group; the scales applied per K step: half the bf16 tile's bytes) | "vpu" | "vpu2d" (f32 FMA;
-    # pairs only)
+    # pairs only) | "lut" (no dot: nibble lookup tables of the activations, onebit_lut; either schedule)
     compute: str = "mma"
     # "xor" | "select" | "xor16" (xor, then the bf16 operand taken as the float32's high half by a shift: exact,
     # since the scales are bf16, and no conversion instruction; 1 plane, compute="mma" only)
@@ -74,6 +75,10 @@ class KernelConfig:
     # pairs: one down program per (pair, column block), partial sums added by XLA, instead of one per (token,
     # column block) walking its k experts in turn (at T = 1: 10x the programs, 1/10 of the serial loads each).
     split_pairs: bool = False
+    # compute="lut": dtype of the activations' nibble tables ("float32" or "bfloat16": half the table traffic)
+    lut_table: str = "float32"
+    # compute="lut": programs per gate_up column tile along K (partial sums added by XLA before the activation)
+    lut_ksplit: int = 1
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -83,10 +88,22 @@ DEFAULT_CONFIG = KernelConfig()
 DEFAULT_PAIRS = KernelConfig(schedule="pairs", bn1=32, bkw1=4, bn2=32, bkw2=4, num_warps=2, split_pairs=True)
 DEFAULT_GROUPED = KernelConfig(schedule="grouped", bn1=128, bkw1=4, bn2=128, bkw2=4, num_warps=4)
 PAIRS_MAX_TOKENS = 4
+# The lookup-table kernels (onebit_lut) on the pairs schedule, gate_up's K range split over 5 programs: 1.6-2.3x the
+# MMA kernels from T = 1 to 64 (docs/PERF.md, "Lookup-table kernels"). Narrow tiles and float32 tables up to T = 4;
+# from T = 8 wider tiles and bf16 tables (3-4% faster at T >= 32, and 2 planes then grow no more than the bytes). The
+# grouped MMA kernel wins again between T = 128 and 256, where an expert's block has enough rows to fill the dot.
+DEFAULT_LUT = KernelConfig(schedule="pairs", compute="lut", bn1=32, bkw1=8, bn2=32, bkw2=8, num_warps=4, lut_ksplit=5)
+DEFAULT_LUT_WIDE = KernelConfig(schedule="pairs", compute="lut", bn1=64, bkw1=8, bn2=128, bkw2=8, num_warps=4,
+                                lut_ksplit=5, lut_table="bfloat16")
+LUT_NARROW_MAX_TOKENS = 4
+LUT_MAX_TOKENS = 128
 
 
 def default_config(tokens: int) -> KernelConfig:
-    return DEFAULT_PAIRS if tokens <= PAIRS_MAX_TOKENS else DEFAULT_GROUPED
+    """The measured-best kernel configuration for a batch of ``tokens`` rows (H200, Flash-Next shapes)."""
+    if tokens <= LUT_NARROW_MAX_TOKENS:
+        return DEFAULT_LUT
+    return DEFAULT_LUT_WIDE if tokens <= LUT_MAX_TOKENS else DEFAULT_GROUPED
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -474,6 +491,10 @@ def moe_experts_1bit_pallas(
     schedule = cfg.schedule
     if schedule == "auto":
         schedule = "pairs" if t <= cfg.pairs_max_tokens else "grouped"
+    if schedule not in ("pairs", "grouped"):
+        raise ValueError(f"unknown schedule {schedule!r}")
+    if cfg.compute == "lut":
+        return _moe_lut(x, expert_ids, expert_weights, gate_up, down, cfg, schedule, interpret, poison)
     if schedule == "pairs":
         h = act_in(gate_up_pairs(act_in(x, gate_up), expert_ids, gate_up, cfg, interpret=interpret, poison=poison),
                    down)
@@ -483,13 +504,28 @@ def moe_experts_1bit_pallas(
         parts = down_pairs(h, expert_ids.reshape(t * k, 1), expert_weights.reshape(t * k, 1), down, jnp.float32,
                            cfg, interpret=interpret, poison=poison)
         return jnp.sum(parts.reshape(t, k, -1), axis=1).astype(x.dtype)
-    if schedule != "grouped":
-        raise ValueError(f"unknown schedule {schedule!r}")
     if cfg.compute not in ("mma", "mma2d", "mma_tf32", "mma_i8"):  # the vpu forms handle one row per block only
         cfg = dataclasses.replace(cfg, compute="mma2d" if cfg.compute == "vpu2d" else "mma")
     blocks = group_pairs(expert_ids, gate_up.num_experts, cfg.bm)
     h = gate_up_grouped(act_in(x, gate_up), blocks, gate_up, cfg, interpret=interpret, poison=poison)
     ys = down_grouped(act_in(h, down), blocks, down, cfg, interpret=interpret, poison=poison)
-    inv = blocks[4]
+    return _weighted_sum(ys, blocks[4], expert_weights, x.dtype)
+
+
+def _weighted_sum(ys, inv, expert_weights, dtype):
+    """y [T, H] = sum_k w[t, k] * ys[inv[t * k + slot]]: per-pair rows (block order) back to tokens."""
+    t, k = expert_weights.shape
     y = ys[inv].reshape(t, k, -1) * expert_weights.astype(jnp.float32)[..., None]
-    return jnp.sum(y, axis=1).astype(x.dtype)
+    return jnp.sum(y, axis=1).astype(dtype)
+
+
+def _moe_lut(x, expert_ids, expert_weights, gate_up, down, cfg: KernelConfig, schedule, interpret, poison):
+    """compute="lut": the onebit_lut kernels over one block per pair (pairs) or per expert (grouped)."""
+    if schedule == "pairs":
+        blocks = pair_blocks(expert_ids)
+    else:
+        blocks = group_pairs(expert_ids, gate_up.num_experts, cfg.bm)
+    dt = jnp.dtype(cfg.lut_table)
+    h = gate_up_lut(nibble_tables(x, dt), blocks, gate_up, cfg, call=_call, interpret=interpret, poison=poison)
+    ys = down_lut(nibble_tables(h, dt), blocks, down, cfg, call=_call, interpret=interpret, poison=poison)
+    return _weighted_sum(ys, blocks[4], expert_weights, x.dtype)

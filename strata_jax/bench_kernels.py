@@ -80,6 +80,52 @@ VARIANTS = {
     "grouped_n128_w4_i8": ("pallas", KernelConfig(schedule="grouped", bn1=128, bn2=128, num_warps=4, compute="mma_i8")),
     "grouped_n128_w4_x16": ("pallas", KernelConfig(schedule="grouped", bn1=128, bn2=128, num_warps=4, unpack="xor16")),
     "grouped_n64_k2_w2": ("pallas", KernelConfig(schedule="grouped", bn1=64, bkw1=2, bn2=64, bkw2=2, num_warps=2)),
+    # compute="lut" (pallas_kernels/onebit_lut.py): nibble lookup tables of the activations, no dot
+    "lut_pairs_w2": ("pallas", KernelConfig(schedule="pairs", compute="lut", num_warps=2)),
+    "lut_pairs_w1": ("pallas", KernelConfig(schedule="pairs", compute="lut", num_warps=1)),
+    "lut_pairs_k8_w2": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2)),
+    "lut_pairs_n64_w2": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=64, bn2=64, num_warps=2)),
+    "lut_pairs_n16_w1": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=16, bn2=16, num_warps=1)),
+    "lut_grouped_n64_w2": ("pallas", KernelConfig(schedule="grouped", compute="lut", bn1=64, bn2=64, num_warps=2)),
+    "lut_grouped_n128_w4": ("pallas", KernelConfig(schedule="grouped", compute="lut", bn1=128, bn2=128, num_warps=4)),
+    "lut_grouped_n128_w4_bf16": ("pallas", KernelConfig(schedule="grouped", compute="lut", bn1=128, bn2=128,
+                                                        num_warps=4, lut_table="bfloat16")),
+    "lut_grouped_n32_w1": ("pallas", KernelConfig(schedule="grouped", compute="lut", bn1=32, bn2=32, num_warps=1)),
+    "lut_pairs_k8_w2_s2": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2,
+                                                  lut_ksplit=2)),
+    "lut_pairs_k8_w2_s5": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2,
+                                                  lut_ksplit=5)),
+    "lut_pairs_k4_w2_s4": ("pallas", KernelConfig(schedule="pairs", compute="lut", num_warps=2, lut_ksplit=4)),
+    "lut_pairs_k8_w2_bf16": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2,
+                                                    lut_table="bfloat16")),
+    "lut_pairs_n64_k8_w4": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=64, bkw1=8, bn2=64, bkw2=8,
+                                                   num_warps=4)),
+    "lut_pairs_k8_w4": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=4)),
+    "lut_pairs_k8_w4_s5": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=4,
+                                                  lut_ksplit=5)),
+    "lut_pairs_k8_w4_s10": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=4,
+                                                   lut_ksplit=10)),
+    "lut_pairs_k8_w2_s10": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2,
+                                                   lut_ksplit=10)),
+    "lut_pairs_k4_w4_s10": ("pallas", KernelConfig(schedule="pairs", compute="lut", num_warps=4, lut_ksplit=10)),
+    "lut_pairs_n64_k8_w4_s5": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=64, bkw1=8, bn2=64,
+                                                      bkw2=8, num_warps=4, lut_ksplit=5)),
+    # gate_up's column tile (bn1) apart from down's (bn2 = 32)
+    **{f"lut_g{g}_k{kw}_w{w}_s{sp}": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=g, bkw1=kw, bn2=32,
+                                                             bkw2=8, num_warps=w, lut_ksplit=sp))
+       for g, kw, w, sp in ((64, 8, 4, 5), (128, 8, 4, 5), (128, 8, 4, 10), (64, 16, 4, 5), (64, 8, 8, 5),
+                            (256, 8, 8, 5))},
+    # both column tiles and the table dtype (8-word K steps, 4 warps, gate_up's K split over 5 programs)
+    **{f"lut_g{g}_d{d}{'_bf16' if bf else ''}": ("pallas", KernelConfig(
+        schedule="pairs", compute="lut", bn1=g, bkw1=8, bn2=d, bkw2=8, num_warps=4, lut_ksplit=5,
+        lut_table="bfloat16" if bf else "float32"))
+       for g, d, bf in ((32, 32, True), (64, 64, True), (64, 128, True), (128, 128, True), (64, 128, False),
+                        (32, 64, True))},
+    # pairs sorted by expert (blocks of one row, group_pairs' order): a shared expert's second read hits L2
+    "lut_sorted_k8_w2": ("pallas", KernelConfig(schedule="grouped", bm=1, compute="lut", bkw1=8, bkw2=8,
+                                                num_warps=2)),
+    "lut_sorted_k8_w2_bf16": ("pallas", KernelConfig(schedule="grouped", bm=1, compute="lut", bkw1=8, bkw2=8,
+                                                     num_warps=2, lut_table="bfloat16")),
     "grouped_2d": ("pallas", KernelConfig(schedule="grouped", compute="mma2d")),
     "grouped_2d_n64": ("pallas", KernelConfig(schedule="grouped", compute="mma2d", bn1=64, bn2=64)),
     "grouped_2d_n128": ("pallas", KernelConfig(schedule="grouped", compute="mma2d", bn1=128, bn2=128, num_warps=8)),
@@ -179,12 +225,33 @@ def part_fn(name, interpret):
 
         return prep
     _, cfg = VARIANTS[base]
+    if cfg.compute == "lut":
+        return _lut_part_fn(cfg, part, interpret)
 
     def fn(x, i, w, g, d, h):
         c = op._resolve(cfg, g, d)
         if part == "gu":
             return op.gate_up_pairs(x, i, g, c, interpret=interpret)
         return op.down_pairs(h, i, w, d, x.dtype, c, interpret=interpret)
+
+    return fn
+
+
+def _lut_part_fn(cfg, part, interpret):
+    """'@tab': both nibble tables; '@gu' / '@dn': the gate_up / down kernel alone (pairs blocks)."""
+    from pallas_kernels import onebit_lut as ol
+    from pallas_kernels import onebit_pallas as op
+
+    dt = jnp.dtype(cfg.lut_table)
+
+    def fn(x, i, w, g, d, h):
+        c = op._resolve(cfg, g, d)
+        if part == "tab":
+            return jnp.concatenate([ol.nibble_tables(x, dt), ol.nibble_tables(h, dt)])
+        blocks = ol.pair_blocks(i)
+        if part == "gu":
+            return ol.gate_up_lut(ol.nibble_tables(x, dt), blocks, g, c, call=op._call, interpret=interpret)
+        return ol.down_lut(ol.nibble_tables(h, dt), blocks, d, c, call=op._call, interpret=interpret)
 
     return fn
 
@@ -210,7 +277,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--unroll", type=int, default=4, help="lax.scan unroll (amortizes XLA's per-iteration loop cost)")
     ap.add_argument("--parts", default="",
-                    help="pairs variants to also time per kernel (VARIANT@gu, VARIANT@dn); 'prep': grouped routing prep")
+                    help="pairs or lut variants to also time per kernel (VARIANT@gu, VARIANT@dn; lut also VARIANT@tab, "
+                         "its two nibble tables); 'prep': grouped routing prep")
     ap.add_argument("--experts", type=int, default=EXPERTS)
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop timing new rows after this")
     ap.add_argument("--pairs-max-t", type=int, default=16, help="time pairs_* variants only up to this T")
@@ -321,10 +389,11 @@ def main(argv=None):
                 except Exception as ex:
                     log(f"! timing {name} P{planes} T{t}: {type(ex).__name__}: {str(ex)[:500]}")
             hpart = jax.random.normal(jax.random.PRNGKey(7), (t * TOPK, INTER), jnp.float32).astype(jnp.bfloat16)
-            pnames = [f"{b}@{q}" for b in args.parts.split(",") if b and b != "prep" for q in ("gu", "dn")]
+            pnames = [f"{b}@{q}" for b in args.parts.split(",") if b and b != "prep"
+                      for q in (("gu", "dn", "tab") if b.startswith("lut") else ("gu", "dn"))]
             pnames += ["grouped@prep"] if "prep" in args.parts.split(",") else []
             for pname in pnames:
-                if planes != 1 or (t > args.pairs_max_t and not pname.endswith("prep")):
+                if planes != 1 or (t > args.pairs_max_t and pname.startswith("pairs")):
                     continue
                 try:
                     tt, _ = time_fn(make_scan(part_fn(pname, interpret), args.iters, args.layers, args.unroll),
@@ -349,10 +418,11 @@ def main(argv=None):
             if any(n in r["times_us"] for r in results)]
     log("\nus per MoE layer (median); floor = distinct experts' bytes / copy bandwidth "
         f"({bw_copy / 1e9:.0f} GB/s); loop = empty-scan overhead per iteration")
-    head = f"{'P':>1} {'T':>3} {'floor':>6} {'loop':>5} " + " ".join(f"{c[:13]:>13}" for c in cols) + "  best(%floor)"
-    log(head)
+    widths = [max(8, len(c)) for c in cols]
+    head = f"{'P':>1} {'T':>3} {'floor':>6} {'loop':>5} " + " ".join(f"{c:>{w}}" for c, w in zip(cols, widths))
+    log(head + "  best(%floor)")
     for r in results:
-        cells = " ".join(f"{r['times_us'].get(c, float('nan')):13.1f}" for c in cols)
+        cells = " ".join(f"{r['times_us'].get(c, float('nan')):{w}.1f}" for c, w in zip(cols, widths))
         log(f"{r['planes']:>1} {r['tokens']:>3} {r['floor_us']:6.1f} {r['loop_overhead_us']:5.1f} {cells}  "
             f"{r['best']}({r['best_pct_of_floor']:.0f}%)")
     fails = [c for c in checks if not c["ok"]]

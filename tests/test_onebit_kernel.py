@@ -99,7 +99,22 @@ PALLAS_CONFIGS = {
     "pairs_i8": pk.KernelConfig(schedule="pairs", compute="mma_i8"),
     "pairs_split_i8": pk.KernelConfig(schedule="pairs", split_pairs=True, compute="mma_i8", bkw1=8),
     "grouped_i8": pk.KernelConfig(schedule="grouped", compute="mma_i8", bkw2=2),
+    "pairs_lut": pk.KernelConfig(schedule="pairs", compute="lut"),
+    "pairs_lut_k1_n16": pk.KernelConfig(schedule="pairs", compute="lut", bkw1=1, bkw2=1, bn1=16, bn2=16),
+    "pairs_lut_ksplit": pk.KernelConfig(schedule="pairs", compute="lut", bkw1=1, lut_ksplit=4),
+    "sorted_lut_bf16": pk.KernelConfig(schedule="grouped", compute="lut", bm=1, lut_ksplit=2, lut_table="bfloat16"),
+    "grouped_lut": pk.KernelConfig(schedule="grouped", compute="lut", bkw1=2),
+    "grouped_lut_bf16": pk.KernelConfig(schedule="grouped", compute="lut", lut_table="bfloat16", bn1=64, bn2=64),
 }
+
+
+def tolerance(cfg):
+    """bf16 operands (x, activation, multi-plane weight sums) with float32 accumulation; int8 activations (one scale
+    per row and group of up to 256 inputs) round each element by up to 1/254 of its group's largest; the lookup
+    tables are exact sums of float32 activations, or those sums rounded to bf16."""
+    if cfg.compute == "lut":
+        return 1e-5 if cfg.lut_table == "float32" else 1e-2
+    return 3e-2 if cfg.compute == "mma_i8" else 1.5e-2
 
 
 @pytest.mark.parametrize("cfg_name", list(PALLAS_CONFIGS))
@@ -109,9 +124,7 @@ def test_pallas_interpret_matches_float64(case, cfg_name):
     y = pk.moe_experts_1bit(jnp.asarray(x), ids, w, gu, dn, impl="pallas", interpret=True, config=cfg, poison=True)
     y = np.asarray(y, np.float32)
     assert np.isfinite(y).all(), "unwritten (poisoned) elements in the output"
-    # bf16 operands (x, activation, multi-plane weight sums) with float32 accumulation; int8 activations (one scale
-    # per row and group of up to 256 inputs) round each element by up to 1/254 of its group's largest
-    assert rel_err(y, ref) < (3e-2 if cfg.compute == "mma_i8" else 1.5e-2)
+    assert rel_err(y, ref) < tolerance(cfg)
 
 
 def test_intermediates_fully_written():
@@ -177,6 +190,31 @@ def test_bf16_input_and_pytree_weights():
     assert rel_err(np.asarray(y, np.float32), ref) < 2e-2
 
 
+def test_nibble_tables_are_the_signed_sums_of_four_inputs():
+    from pallas_kernels.onebit_lut import nibble_tables
+
+    a = np.random.default_rng(3).standard_normal((3, 12)).astype(np.float32)
+    tab = np.asarray(nibble_tables(jnp.asarray(a))).reshape(3, 3, 16)
+    for v in range(16):
+        signs = np.array([1.0 if (v >> j) & 1 else -1.0 for j in range(4)])
+        np.testing.assert_allclose(tab[:, :, v], (a.reshape(3, 3, 4) * signs).sum(-1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        nibble_tables(jnp.ones((1, 6)))
+
+
+@pytest.mark.parametrize("cfg_name", list(PALLAS_CONFIGS))
+def test_pallas_lowers_to_triton_without_a_gpu(cfg_name):
+    """Cross-platform lowering for CUDA on this CPU machine runs the Pallas -> Triton IR lowering, which interpret
+    mode skips: it rejects what Triton cannot express (non-power-of-two blocks, unsupported primitives, dynamic
+    loop bounds it cannot lower). Triton's own compilation still needs the GPU test below."""
+    x, ids, w, gu, dn = make_case(9, 256, 128, 8, 3, 4, 128, 2)
+    cfg = PALLAS_CONFIGS[cfg_name]
+    f = jax.jit(lambda *a: pk.moe_experts_1bit(*a, impl="pallas", config=cfg))
+    text = f.trace(jnp.asarray(x, jnp.bfloat16), ids, w, as_packed(gu), as_packed(dn)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2  # the gate_up and the down kernel
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("planes", [1, 2])
 def test_gpu_real_lowering(planes):
@@ -200,7 +238,8 @@ def test_gpu_real_lowering(planes):
         ref = np.asarray(ref_fn(x, ids, w, gu, dn), np.float64)
         for name in ("auto", "pairs", "pairs_k8_split", "pairs_k8_split_tf32", "pairs_k8_split_x16", "pairs_2d",
                      "pairs_v2d_n64", "grouped", "grouped_2d", "grouped_n64_w2_tf32", "grouped_n64_w2_x16",
-                     "pairs_k4_split_w2_i8", "grouped_n128_w4_i8"):
+                     "pairs_k4_split_w2_i8", "grouped_n128_w4_i8", "lut_pairs_w2", "lut_pairs_k8_w2",
+                     "lut_grouped_n128_w4", "lut_grouped_n128_w4_bf16"):
             impl, cfg = VARIANTS[name]  # "auto": pallas_kernels.default_config(T)
             f = jax.jit(lambda *a, cfg=cfg: pk.moe_experts_1bit(*a, impl="pallas", config=cfg, poison=True))
             y = np.asarray(f(x.astype(jnp.bfloat16), ids, w, gu, dn), np.float32)
