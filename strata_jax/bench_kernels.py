@@ -37,6 +37,13 @@ from pallas_kernels.onebit_common import dequantize
 
 HIDDEN, INTER, EXPERTS, TOPK, GROUP = 2560, 640, 512, 10, 128
 
+
+
+def _lut(schedule: str = "pairs", **tiles) -> tuple[str, KernelConfig]:
+    """A lookup-table variant (compute="lut") of the Pallas kernels."""
+    return "pallas", KernelConfig(schedule=schedule, compute="lut", **tiles)
+
+
 # name -> (impl, KernelConfig or None)
 VARIANTS = {
     "xla": ("xla", None),
@@ -80,52 +87,38 @@ VARIANTS = {
     "grouped_n128_w4_i8": ("pallas", KernelConfig(schedule="grouped", bn1=128, bn2=128, num_warps=4, compute="mma_i8")),
     "grouped_n128_w4_x16": ("pallas", KernelConfig(schedule="grouped", bn1=128, bn2=128, num_warps=4, unpack="xor16")),
     "grouped_n64_k2_w2": ("pallas", KernelConfig(schedule="grouped", bn1=64, bkw1=2, bn2=64, bkw2=2, num_warps=2)),
-    # compute="lut" (pallas_kernels/onebit_lut.py): nibble lookup tables of the activations, no dot
-    "lut_pairs_w2": ("pallas", KernelConfig(schedule="pairs", compute="lut", num_warps=2)),
-    "lut_pairs_w1": ("pallas", KernelConfig(schedule="pairs", compute="lut", num_warps=1)),
-    "lut_pairs_k8_w2": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2)),
-    "lut_pairs_n64_w2": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=64, bn2=64, num_warps=2)),
-    "lut_pairs_n16_w1": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=16, bn2=16, num_warps=1)),
-    "lut_grouped_n64_w2": ("pallas", KernelConfig(schedule="grouped", compute="lut", bn1=64, bn2=64, num_warps=2)),
-    "lut_grouped_n128_w4": ("pallas", KernelConfig(schedule="grouped", compute="lut", bn1=128, bn2=128, num_warps=4)),
-    "lut_grouped_n128_w4_bf16": ("pallas", KernelConfig(schedule="grouped", compute="lut", bn1=128, bn2=128,
-                                                        num_warps=4, lut_table="bfloat16")),
-    "lut_grouped_n32_w1": ("pallas", KernelConfig(schedule="grouped", compute="lut", bn1=32, bn2=32, num_warps=1)),
-    "lut_pairs_k8_w2_s2": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2,
-                                                  lut_ksplit=2)),
-    "lut_pairs_k8_w2_s5": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2,
-                                                  lut_ksplit=5)),
-    "lut_pairs_k4_w2_s4": ("pallas", KernelConfig(schedule="pairs", compute="lut", num_warps=2, lut_ksplit=4)),
-    "lut_pairs_k8_w2_bf16": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2,
-                                                    lut_table="bfloat16")),
-    "lut_pairs_n64_k8_w4": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=64, bkw1=8, bn2=64, bkw2=8,
-                                                   num_warps=4)),
-    "lut_pairs_k8_w4": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=4)),
-    "lut_pairs_k8_w4_s5": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=4,
-                                                  lut_ksplit=5)),
-    "lut_pairs_k8_w4_s10": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=4,
-                                                   lut_ksplit=10)),
-    "lut_pairs_k8_w2_s10": ("pallas", KernelConfig(schedule="pairs", compute="lut", bkw1=8, bkw2=8, num_warps=2,
-                                                   lut_ksplit=10)),
-    "lut_pairs_k4_w4_s10": ("pallas", KernelConfig(schedule="pairs", compute="lut", num_warps=4, lut_ksplit=10)),
-    "lut_pairs_n64_k8_w4_s5": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=64, bkw1=8, bn2=64,
-                                                      bkw2=8, num_warps=4, lut_ksplit=5)),
-    # gate_up's column tile (bn1) apart from down's (bn2 = 32)
-    **{f"lut_g{g}_k{kw}_w{w}_s{sp}": ("pallas", KernelConfig(schedule="pairs", compute="lut", bn1=g, bkw1=kw, bn2=32,
-                                                             bkw2=8, num_warps=w, lut_ksplit=sp))
+    # compute="lut" (pallas_kernels/onebit_lut.py): nibble lookup tables of the activations, no dot. Names: k = words
+    # per K step (bkw1 = bkw2), w = warps, s = gate_up's K split, n / g / d = column tiles (both / gate_up / down).
+    "lut_pairs_w2": _lut(num_warps=2),
+    "lut_pairs_w1": _lut(num_warps=1),
+    "lut_pairs_k8_w2": _lut(bkw1=8, bkw2=8, num_warps=2),
+    "lut_pairs_n64_w2": _lut(bn1=64, bn2=64, num_warps=2),
+    "lut_pairs_n16_w1": _lut(bn1=16, bn2=16, num_warps=1),
+    "lut_grouped_n64_w2": _lut("grouped", bn1=64, bn2=64, num_warps=2),
+    "lut_grouped_n128_w4": _lut("grouped", bn1=128, bn2=128, num_warps=4),
+    "lut_grouped_n128_w4_bf16": _lut("grouped", bn1=128, bn2=128, num_warps=4, lut_table="bfloat16"),
+    "lut_grouped_n32_w1": _lut("grouped", bn1=32, bn2=32, num_warps=1),
+    "lut_pairs_k8_w2_s2": _lut(bkw1=8, bkw2=8, num_warps=2, lut_ksplit=2),
+    "lut_pairs_k8_w2_s5": _lut(bkw1=8, bkw2=8, num_warps=2, lut_ksplit=5),
+    "lut_pairs_k4_w2_s4": _lut(num_warps=2, lut_ksplit=4),
+    "lut_pairs_k8_w2_bf16": _lut(bkw1=8, bkw2=8, num_warps=2, lut_table="bfloat16"),
+    "lut_pairs_n64_k8_w4": _lut(bn1=64, bkw1=8, bn2=64, bkw2=8, num_warps=4),
+    "lut_pairs_k8_w4": _lut(bkw1=8, bkw2=8, num_warps=4),
+    "lut_pairs_k8_w4_s5": _lut(bkw1=8, bkw2=8, num_warps=4, lut_ksplit=5),
+    "lut_pairs_k8_w4_s10": _lut(bkw1=8, bkw2=8, num_warps=4, lut_ksplit=10),
+    "lut_pairs_k8_w2_s10": _lut(bkw1=8, bkw2=8, num_warps=2, lut_ksplit=10),
+    "lut_pairs_k4_w4_s10": _lut(num_warps=4, lut_ksplit=10),
+    "lut_pairs_n64_k8_w4_s5": _lut(bn1=64, bkw1=8, bn2=64, bkw2=8, num_warps=4, lut_ksplit=5),
+    **{f"lut_g{g}_k{kw}_w{w}_s{sp}": _lut(bn1=g, bkw1=kw, bn2=32, bkw2=8, num_warps=w, lut_ksplit=sp)
        for g, kw, w, sp in ((64, 8, 4, 5), (128, 8, 4, 5), (128, 8, 4, 10), (64, 16, 4, 5), (64, 8, 8, 5),
                             (256, 8, 8, 5))},
-    # both column tiles and the table dtype (8-word K steps, 4 warps, gate_up's K split over 5 programs)
-    **{f"lut_g{g}_d{d}{'_bf16' if bf else ''}": ("pallas", KernelConfig(
-        schedule="pairs", compute="lut", bn1=g, bkw1=8, bn2=d, bkw2=8, num_warps=4, lut_ksplit=5,
-        lut_table="bfloat16" if bf else "float32"))
+    **{f"lut_g{g}_d{d}{'_bf16' if bf else ''}": _lut(bn1=g, bkw1=8, bn2=d, bkw2=8, num_warps=4, lut_ksplit=5,
+                                                     lut_table="bfloat16" if bf else "float32")
        for g, d, bf in ((32, 32, True), (64, 64, True), (64, 128, True), (128, 128, True), (64, 128, False),
                         (32, 64, True))},
     # pairs sorted by expert (blocks of one row, group_pairs' order): a shared expert's second read hits L2
-    "lut_sorted_k8_w2": ("pallas", KernelConfig(schedule="grouped", bm=1, compute="lut", bkw1=8, bkw2=8,
-                                                num_warps=2)),
-    "lut_sorted_k8_w2_bf16": ("pallas", KernelConfig(schedule="grouped", bm=1, compute="lut", bkw1=8, bkw2=8,
-                                                     num_warps=2, lut_table="bfloat16")),
+    "lut_sorted_k8_w2": _lut("grouped", bm=1, bkw1=8, bkw2=8, num_warps=2),
+    "lut_sorted_k8_w2_bf16": _lut("grouped", bm=1, bkw1=8, bkw2=8, num_warps=2, lut_table="bfloat16"),
     "grouped_2d": ("pallas", KernelConfig(schedule="grouped", compute="mma2d")),
     "grouped_2d_n64": ("pallas", KernelConfig(schedule="grouped", compute="mma2d", bn1=64, bn2=64)),
     "grouped_2d_n128": ("pallas", KernelConfig(schedule="grouped", compute="mma2d", bn1=128, bn2=128, num_warps=8)),
