@@ -513,9 +513,11 @@ def moe_experts_1bit_pallas(
 
 
 def _weighted_sum(ys, inv, expert_weights, dtype):
-    """y [T, H] = sum_k w[t, k] * ys[inv[t * k + slot]]: per-pair rows (block order) back to tokens."""
+    """y [T, H] = sum_k w[t, k] * ys[inv[t * k + slot]]: per-pair rows (block order) back to tokens; ``inv=None``
+    when the rows are already in routing order."""
     t, k = expert_weights.shape
-    y = ys[inv].reshape(t, k, -1) * expert_weights.astype(jnp.float32)[..., None]
+    rows = ys[:t * k] if inv is None else ys[inv]
+    y = rows.reshape(t, k, -1) * expert_weights.astype(jnp.float32)[..., None]
     return jnp.sum(y, axis=1).astype(dtype)
 
 
@@ -528,4 +530,4 @@ def _moe_lut(x, expert_ids, expert_weights, gate_up, down, cfg: KernelConfig, sc
     dt = jnp.dtype(cfg.lut_table)
     h = gate_up_lut(nibble_tables(x, dt), blocks, gate_up, cfg, call=_call, interpret=interpret, poison=poison)
     ys = down_lut(nibble_tables(h, dt), blocks, down, cfg, call=_call, interpret=interpret, poison=poison)
-    return _weighted_sum(ys, blocks[4], expert_weights, x.dtype)
+    return _weighted_sum(ys, None if schedule == "pairs" else blocks[4], expert_weights, x.dtype)
