@@ -527,6 +527,8 @@ def _moe_lut(x, expert_ids, expert_weights, gate_up, down, cfg: KernelConfig, sc
         blocks = pair_blocks(expert_ids)
     else:
         blocks = group_pairs(expert_ids, gate_up.num_experts, cfg.bm)
+    if cfg.lut_table not in ("float32", "bfloat16"):
+        raise ValueError(f"lut_table must be 'float32' or 'bfloat16', got {cfg.lut_table!r}")
     dt = jnp.dtype(cfg.lut_table)
     h = gate_up_lut(nibble_tables(x, dt), blocks, gate_up, cfg, call=_call, interpret=interpret, poison=poison)
     ys = down_lut(nibble_tables(h, dt), blocks, down, cfg, call=_call, interpret=interpret, poison=poison)

@@ -190,6 +190,13 @@ def test_bf16_input_and_pytree_weights():
     assert rel_err(np.asarray(y, np.float32), ref) < 2e-2
 
 
+def test_lut_rejects_a_table_dtype_it_cannot_sum_in():
+    x, ids, w, gu, dn = make_case(4, 64, 32, 4, 1, 2, 64, 1)
+    with pytest.raises(ValueError, match="lut_table"):
+        pk.moe_experts_1bit(jnp.asarray(x), ids, w, gu, dn, impl="pallas", interpret=True,
+                            config=pk.KernelConfig(compute="lut", lut_table="int8"))
+
+
 def test_nibble_tables_are_the_signed_sums_of_four_inputs():
     from pallas_kernels.onebit_lut import nibble_tables
 
