@@ -16,8 +16,8 @@ columns, so a warp's 32 gathers fall into one 64-byte table row (one L1 wavefron
 Every weight is read once per row that uses it (no MMA, no padding of a block's rows to 16), so this is the
 schedule for decode: ~1-2 rows per distinct expert. Blocks come from ``group_pairs`` (one expert per block; a
 block walks its rows in turn) or, for the pairs schedule, one block per (token, slot) pair. The tables cost
-``4 * K`` floats per row (16 per 4 inputs) (40 KB per token for gate_up, 10 KB per pair for down at Flash-Next shapes), read
-through L1/L2.
+``4 * K`` floats per row, 16 per 4 inputs (40 KB per token for gate_up, 10 KB per pair for down at Flash-Next
+shapes), read through L1/L2.
 """
 
 from __future__ import annotations
