@@ -18,7 +18,8 @@ Implementations (``impl``):
 
 Lowering: the Pallas kernels use the Triton lowering on every GPU (the only one implemented and
 measured; it reaches consumer cards). A Mosaic GPU (``plgpu``) version for Hopper is future work --
-see docs/PERF.md, which also says why the lookup-table form has no Mosaic GPU counterpart yet. Expert ids must lie in ``[0, E)``; the kernels do not check.
+see docs/PERF.md, which also says why the lookup-table form has no Mosaic GPU counterpart yet. Expert ids
+must lie in ``[0, E)``; the kernels do not check.
 """
 
 from __future__ import annotations

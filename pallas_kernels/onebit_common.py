@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 WORD_BITS = 32
 
@@ -113,3 +115,21 @@ def dequantize(w: PackedWeights, ids: jax.Array | None = None) -> jax.Array:
 
 def silu(x):
     return x / (1.0 + jnp.exp(-x))
+
+
+def launch(kernel, grid, out_shape, args, cfg, interpret: bool, poison: bool):
+    """pallas_call of a kernel with the Triton lowering's ``cfg.num_warps`` / ``cfg.num_stages``. With ``poison``
+    the output starts as NaN (an extra input aliased to it; the kernel drops it with ``strip_poison``) so that
+    unwritten elements show."""
+    kwargs = {}
+    if poison:
+        args = (*args, jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+        kwargs["input_output_aliases"] = {len(args) - 1: 0}
+    if not interpret:
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, **kwargs)(*args)
+
+
+def strip_poison(refs, poison: bool):
+    """A kernel's refs without ``launch``'s aliased poison input (the output ref is the same buffer)."""
+    return refs[:-2] + refs[-1:] if poison else refs

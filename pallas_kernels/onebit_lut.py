@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, silu
+from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, launch, silu, strip_poison
 
 NIBBLE_BITS = 4
 NIBBLES_PER_WORD = WORD_BITS // NIBBLE_BITS
@@ -86,14 +86,10 @@ def _lut_loop(tab_ref, base, bits_ref, sc_ref, e, n0s, *, n_steps, bn, bkw, plan
     return lax.fori_loop(0, n_steps, body, tuple(z for _ in n0s))
 
 
-def _strip_poison(refs, poison):
-    return refs[:-2] + refs[-1:] if poison else refs
-
-
 def _gate_up_kernel(*refs, bn, bkw, kw_total, wpg, planes, inter, ksplit, poison):
     """One block of rows x one column tile of gate and up: silu(g) * u into h [rows, I]; or, with the K range
     split over grid axis 2 (``ksplit`` > 1), the raw partial g | u into [ksplit, rows, 2I] for XLA to finish."""
-    blk_e_ref, blk_pos_ref, blk_n_ref, tok_ref, tab_ref, bits_ref, sc_ref, h_ref = _strip_poison(refs, poison)
+    blk_e_ref, blk_pos_ref, blk_n_ref, tok_ref, tab_ref, bits_ref, sc_ref, h_ref = strip_poison(refs, poison)
     b = pl.program_id(0)
     n0 = pl.program_id(1) * bn
     e = blk_e_ref[b]
@@ -118,7 +114,7 @@ def _gate_up_kernel(*refs, bn, bkw, kw_total, wpg, planes, inter, ksplit, poison
 
 
 def _down_kernel(*refs, bn, bkw, kw_total, wpg, planes, poison):
-    blk_e_ref, blk_pos_ref, blk_n_ref, tab_ref, bits_ref, sc_ref, ys_ref = _strip_poison(refs, poison)
+    blk_e_ref, blk_pos_ref, blk_n_ref, tab_ref, bits_ref, sc_ref, ys_ref = strip_poison(refs, poison)
     b = pl.program_id(0)
     n0 = pl.program_id(1) * bn
     e = blk_e_ref[b]
@@ -134,7 +130,7 @@ def _down_kernel(*refs, bn, bkw, kw_total, wpg, planes, poison):
     lax.fori_loop(0, blk_n_ref[b], row, jnp.int32(0))
 
 
-def gate_up_lut(x_tab, blocks, gate_up: PackedWeights, cfg, *, call, interpret=False, poison=False):
+def gate_up_lut(x_tab, blocks, gate_up: PackedWeights, cfg, *, interpret=False, poison=False):
     """h [rows, I] float32 in block row order, one row per entry of the blocks' token list (padding rows
     unwritten). With ``cfg.lut_ksplit`` > 1 the K range is split over that many programs per tile (more programs
     for few rows) and XLA adds the partial sums before the activation."""
@@ -148,9 +144,9 @@ def gate_up_lut(x_tab, blocks, gate_up: PackedWeights, cfg, *, call, interpret=F
     args = (blk_e, blk_pos, blk_n, tok, x_tab, gate_up.bits, gate_up.scales)
     grid = (blk_e.shape[0], inter // cfg.bn1)
     if ksplit == 1:
-        return call(kern, grid, jax.ShapeDtypeStruct((tok.shape[0], inter), jnp.float32), args, cfg, interpret,
+        return launch(kern, grid, jax.ShapeDtypeStruct((tok.shape[0], inter), jnp.float32), args, cfg, interpret,
                     poison)
-    parts = call(kern, (*grid, ksplit), jax.ShapeDtypeStruct((ksplit, tok.shape[0], 2 * inter), jnp.float32), args,
+    parts = launch(kern, (*grid, ksplit), jax.ShapeDtypeStruct((ksplit, tok.shape[0], 2 * inter), jnp.float32), args,
                  cfg, interpret, poison)
     gu = jnp.sum(parts, axis=0)
     return silu(gu[:, :inter]) * gu[:, inter:]
@@ -160,7 +156,7 @@ def _divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
-def down_lut(h_tab, blocks, down: PackedWeights, cfg, *, call, interpret=False, poison=False):
+def down_lut(h_tab, blocks, down: PackedWeights, cfg, *, interpret=False, poison=False):
     """ys [rows, H] float32: each row's unweighted down projection, block row order (rows as ``gate_up_lut``)."""
     blk_e, blk_pos, blk_n, tok, _ = blocks
     hidden = down.out_features
@@ -168,4 +164,4 @@ def down_lut(h_tab, blocks, down: PackedWeights, cfg, *, call, interpret=False, 
                              wpg=down.words_per_group, planes=down.planes, poison=poison)
     out = jax.ShapeDtypeStruct((tok.shape[0], hidden), jnp.float32)
     args = (blk_e, blk_pos, blk_n, h_tab, down.bits, down.scales)
-    return call(kern, (blk_e.shape[0], hidden // cfg.bn2), out, args, cfg, interpret, poison)
+    return launch(kern, (blk_e.shape[0], hidden // cfg.bn2), out, args, cfg, interpret, poison)

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, silu
+from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, launch, silu, strip_poison
 from pallas_kernels.onebit_lut import down_lut, gate_up_lut, nibble_tables, pair_blocks
 
 
@@ -248,8 +248,7 @@ def _vpu_loop(load_xrow, bits_ref, sc_ref, e, n0s, *, n_steps, bn, bkw, planes, 
 
 
 def _gate_up_kernel(*refs, grouped, k, cfg: KernelConfig, kw_total, wpg, planes, inter, poison):
-    if poison:
-        refs = refs[:-2] + refs[-1:]  # drop the aliased poison input; the output ref is the same buffer
+    refs = strip_poison(refs, poison)
     quant = cfg.compute == "mma_i8"
     if grouped:
         blk_e_ref, blk_pos_ref, blk_n_ref, tok_ref, x_ref, *rest = refs
@@ -294,8 +293,7 @@ def _gate_up_kernel(*refs, grouped, k, cfg: KernelConfig, kw_total, wpg, planes,
 
 
 def _down_tok_kernel(*refs, k, cfg: KernelConfig, kw_total, wpg, planes, poison):
-    if poison:
-        refs = refs[:-2] + refs[-1:]
+    refs = strip_poison(refs, poison)
     quant = cfg.compute == "mma_i8"
     ids_ref, wts_ref, h_ref, *rest = refs
     sh_ref, bits_ref, sc_ref, y_ref = rest if quant else (None, *rest)
@@ -325,8 +323,7 @@ def _down_tok_kernel(*refs, k, cfg: KernelConfig, kw_total, wpg, planes, poison)
 
 
 def _down_grp_kernel(*refs, cfg: KernelConfig, kw_total, wpg, planes, poison):
-    if poison:
-        refs = refs[:-2] + refs[-1:]
+    refs = strip_poison(refs, poison)
     quant = cfg.compute == "mma_i8"
     blk_e_ref, blk_pos_ref, blk_n_ref, h_ref, *rest = refs
     sh_ref, bits_ref, sc_ref, ys_ref = rest if quant else (None, *rest)
@@ -349,18 +346,6 @@ def _down_grp_kernel(*refs, cfg: KernelConfig, kw_total, wpg, planes, poison):
 
 # --------------------------------------------------------------------------------------------------
 # launchers
-
-
-def _call(kernel, grid, out_shape, args, cfg, interpret, poison):
-    kwargs = {}
-    if poison:
-        args = (*args, jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-        kwargs["input_output_aliases"] = {len(args) - 1: 0}
-    if not interpret:
-        kwargs["compiler_params"] = pltriton.CompilerParams(
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages
-        )
-    return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, **kwargs)(*args)
 
 
 def _resolve(cfg: KernelConfig, gate_up: PackedWeights, down: PackedWeights) -> KernelConfig:
@@ -403,7 +388,7 @@ def gate_up_pairs(x, expert_ids, gate_up: PackedWeights, cfg: KernelConfig, *, i
     )
     out = jax.ShapeDtypeStruct((t * k, inter), jnp.bfloat16)
     args = (expert_ids.reshape(-1).astype(jnp.int32), *_act(x), gate_up.bits, gate_up.scales)
-    return _call(kern, (t * k, inter // cfg.bn1), out, args, cfg, interpret, poison)
+    return launch(kern, (t * k, inter // cfg.bn1), out, args, cfg, interpret, poison)
 
 
 def down_pairs(h, expert_ids, expert_weights, down: PackedWeights, out_dtype, cfg: KernelConfig, *,
@@ -417,7 +402,7 @@ def down_pairs(h, expert_ids, expert_weights, down: PackedWeights, out_dtype, cf
     )
     out = jax.ShapeDtypeStruct((t, hidden), out_dtype)
     args = (expert_ids.astype(jnp.int32), expert_weights.astype(jnp.float32), *_act(h), down.bits, down.scales)
-    return _call(kern, (t, hidden // cfg.bn2), out, args, cfg, interpret, poison)
+    return launch(kern, (t, hidden // cfg.bn2), out, args, cfg, interpret, poison)
 
 
 def num_blocks(n_pairs: int, num_experts: int, bm: int) -> int:
@@ -464,7 +449,7 @@ def gate_up_grouped(x, blocks, gate_up: PackedWeights, cfg: KernelConfig, *, int
     )
     out = jax.ShapeDtypeStruct((p + cfg.bm, inter), jnp.bfloat16)
     args = (blk_e, blk_pos, blk_n, tok_sorted, *_act(x), gate_up.bits, gate_up.scales)
-    return _call(kern, (blk_e.shape[0], inter // cfg.bn1), out, args, cfg, interpret, poison)
+    return launch(kern, (blk_e.shape[0], inter // cfg.bn1), out, args, cfg, interpret, poison)
 
 
 def down_grouped(h_sorted, blocks, down: PackedWeights, cfg: KernelConfig, *, interpret=False, poison=False):
@@ -478,7 +463,7 @@ def down_grouped(h_sorted, blocks, down: PackedWeights, cfg: KernelConfig, *, in
     )
     out = jax.ShapeDtypeStruct((p + cfg.bm, hidden), jnp.float32)
     args = (blk_e, blk_pos, blk_n, *_act(h_sorted), down.bits, down.scales)
-    return _call(kern, (blk_e.shape[0], hidden // cfg.bn2), out, args, cfg, interpret, poison)
+    return launch(kern, (blk_e.shape[0], hidden // cfg.bn2), out, args, cfg, interpret, poison)
 
 
 def moe_experts_1bit_pallas(
@@ -530,6 +515,6 @@ def _moe_lut(x, expert_ids, expert_weights, gate_up, down, cfg: KernelConfig, sc
     if cfg.lut_table not in ("float32", "bfloat16"):
         raise ValueError(f"lut_table must be 'float32' or 'bfloat16', got {cfg.lut_table!r}")
     dt = jnp.dtype(cfg.lut_table)
-    h = gate_up_lut(nibble_tables(x, dt), blocks, gate_up, cfg, call=_call, interpret=interpret, poison=poison)
-    ys = down_lut(nibble_tables(h, dt), blocks, down, cfg, call=_call, interpret=interpret, poison=poison)
+    h = gate_up_lut(nibble_tables(x, dt), blocks, gate_up, cfg, interpret=interpret, poison=poison)
+    ys = down_lut(nibble_tables(h, dt), blocks, down, cfg, interpret=interpret, poison=poison)
     return _weighted_sum(ys, None if schedule == "pairs" else blocks[4], expert_weights, x.dtype)

@@ -243,8 +243,8 @@ def _lut_part_fn(cfg, part, interpret):
             return jnp.concatenate([ol.nibble_tables(x, dt), ol.nibble_tables(h, dt)])
         blocks = ol.pair_blocks(i)
         if part == "gu":
-            return ol.gate_up_lut(ol.nibble_tables(x, dt), blocks, g, c, call=op._call, interpret=interpret)
-        return ol.down_lut(ol.nibble_tables(h, dt), blocks, d, c, call=op._call, interpret=interpret)
+            return ol.gate_up_lut(ol.nibble_tables(x, dt), blocks, g, c, interpret=interpret)
+        return ol.down_lut(ol.nibble_tables(h, dt), blocks, d, c, interpret=interpret)
 
     return fn
 
