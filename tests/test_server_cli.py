@@ -62,7 +62,9 @@ def test_serve_cli_end_to_end():
         assert httpx.get(url + "/health").status_code == 200
         c = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in c.models.list().data] == ["demo"]
-        msg = c.messages.create(model="demo", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+        # Greedy: sampled at the API's default temperature 1 the demo model sometimes ends its turn within 5 tokens.
+        msg = c.messages.create(model="demo", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                                extra_body={"temperature": 0})
         assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
