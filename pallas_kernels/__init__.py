@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.delta_rule import gated_delta_decode
 from pallas_kernels.onebit_common import PackedWeights, as_packed, check_shapes, dequantize
 from pallas_kernels.onebit_pallas import DEFAULT_CONFIG, KernelConfig, default_config, moe_experts_1bit_pallas
 from pallas_kernels.onebit_reference import moe_experts_1bit_reference
@@ -38,6 +39,7 @@ __all__ = [
     "as_packed",
     "default_config",
     "dequantize",
+    "gated_delta_decode",
     "moe_experts_1bit",
     "moe_experts_1bit_pallas",
     "moe_experts_1bit_reference",

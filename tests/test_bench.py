@@ -19,6 +19,17 @@ def test_step_mode_runs(tmp_path):
     assert rates["0.9"] > rates["0.5"] > verify["tok_s"]
 
 
+def test_deltanet_mode_runs(tmp_path):
+    out = tmp_path / "deltanet.json"
+    assert main(["--mode", "deltanet", "--preset", "tiny", "--slots", "2", "--deltanet-tokens", "1,3",
+                 "--deltanet-variants", "jnp,bv16_w4", "--deltanet-iters", "2", "--steps", "1", "--bandwidth-gib",
+                 "0.01", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [(1, "jnp"), (1, "bv16_w4"), (3, "jnp"), (3, "bv16_w4")]
+    # The kernel (interpret mode here) computes what the jnp scan does, and the floor counts the state both ways.
+    assert all(r["max_abs_err"] < 1e-4 and r["floor_us"] > 0 for r in rows)
+
+
 def test_users_mode_runs(tmp_path):
     out = tmp_path / "users.json"
     assert main(["--mode", "users", "--preset", "tiny", "--dtype", "float32", "--users", "2", "--prompt-tokens", "16",

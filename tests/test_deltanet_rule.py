@@ -1,9 +1,12 @@
-"""The gated delta rule, chunked and recurrent, against a float64 numpy recurrence, from a non-zero state."""
+"""The gated delta rule, chunked and recurrent, against a float64 numpy recurrence, from a non-zero state; and the
+Pallas kernel of the recurrent form (interpret mode on CPU, cross-lowered for CUDA, the real thing on a GPU)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import delta_rule
 from strata_jax.model.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
@@ -20,8 +23,8 @@ def _numpy_rule(q, k, v, g, beta, state):
 
 
 def _inputs(t, seed):
-    rng = np.random.default_rng(seed)
     b, h, dk, dv = 2, 3, 8, 5
+    rng = np.random.default_rng(seed)
     norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q = norm(rng.normal(size=(b, t, h, dk))) * dk**-0.5
     k = norm(rng.normal(size=(b, t, h, dk)))
@@ -51,3 +54,99 @@ def test_chunked_continues_from_split_point():
     out2, s2 = chunk_gated_delta_rule(*b, s1)
     np.testing.assert_allclose(np.concatenate([out1, out2], axis=1), full_out, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(s2, full_state, rtol=1e-4, atol=1e-4)
+
+
+def _decode_inputs(b, t, hk, hv, dk, dv, seed):
+    """The kernel's inputs: the activated conv output qkv [B, T, 2*Hk*Dk + Hv*Dv], g, beta [B, T, Hv], a state."""
+    rng = np.random.default_rng(seed)
+    qkv = rng.normal(size=(b, t, 2 * hk * dk + hv * dv))
+    g = -rng.uniform(0.0, 0.5, size=(b, t, hv))
+    beta = rng.uniform(0, 1, size=(b, t, hv))
+    state = rng.normal(size=(b, hv, dk, dv))
+    return [x.astype(np.float32) for x in (qkv, g, beta, state)]
+
+
+def _decode_reference(qkv, g, beta, state, hk):
+    """float64 numpy: split the channels, L2-normalise q and k per key head, scale q, share each key head among
+    Hv/Hk value heads, then the recurrence."""
+    b, t, _ = qkv.shape
+    hv, dk, dv = state.shape[1:]
+    qkv = qkv.astype(np.float64)
+    q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)
+    norm = lambda x: x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)  # noqa: E731
+    q = np.repeat(norm(q.reshape(b, t, hk, dk)), hv // hk, axis=2) * dk**-0.5
+    k = np.repeat(norm(k.reshape(b, t, hk, dk)), hv // hk, axis=2)
+    return _numpy_rule(q, k, v.reshape(b, t, hv, dv), g.astype(np.float64), beta.astype(np.float64), state)
+
+
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+@pytest.mark.parametrize("b,t,hk,hv,dk,dv,block_v", [(3, 1, 2, 2, 16, 32, 16), (2, 3, 2, 4, 32, 32, 32),
+                                                     (1, 8, 1, 3, 8, 64, 16)])
+def test_decode_kernel_matches_numpy(impl, b, t, hk, hv, dk, dv, block_v):
+    args = _decode_inputs(b, t, hk, hv, dk, dv, seed=b + t + hv)
+    want_out, want_state = _decode_reference(*args, hk)
+    f = jax.jit(lambda *a: delta_rule.gated_delta_decode(*a, k_heads=hk, impl=impl, block_v=block_v,
+                                                         interpret=True))
+    out, state = f(*args)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state), want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_reads_bf16_qkv():
+    """The model hands over a bf16 conv output: the kernel upcasts it as the jnp form does."""
+    qkv, g, beta, state = _decode_inputs(2, 2, 2, 4, 16, 16, seed=5)
+    qkv = jnp.asarray(qkv, jnp.bfloat16)
+    want_out, want_state = _decode_reference(np.asarray(qkv.astype(jnp.float32)), g, beta, state, 2)
+    out, new_state = delta_rule.gated_delta_decode(qkv, g, beta, state, k_heads=2, impl="pallas", block_v=16,
+                                                   interpret=True)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(new_state), want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_with_donated_state_repeats():
+    """Three calls through a jit that donates the state equal the float64 rule over all their tokens (the kernel
+    writes the new state over the old one)."""
+    qkv, g, beta, state0 = _decode_inputs(2, 6, 2, 4, 16, 32, seed=11)
+    f = jax.jit(lambda *a: delta_rule.gated_delta_decode(*a, k_heads=2, impl="pallas", block_v=16, interpret=True),
+                donate_argnums=3)
+    state, outs = jnp.asarray(state0), []
+    for lo in range(0, 6, 2):
+        out, state = f(qkv[:, lo:lo + 2], g[:, lo:lo + 2], beta[:, lo:lo + 2], state)
+        outs.append(np.asarray(out))
+    want_out, want_state = _decode_reference(qkv, g, beta, state0, 2)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state), want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_impl_choice_and_bad_shapes():
+    if jax.default_backend() != "gpu":
+        assert delta_rule.resolve_impl("auto", 128, 128) == "jnp"
+    assert delta_rule.resolve_impl("auto", 96, 128) == "jnp"  # not a power of two: never the kernel
+    with pytest.raises(ValueError, match="impl must be"):
+        delta_rule.resolve_impl("cuda", 128, 128)
+    qkv, g, beta, state = _decode_inputs(1, 1, 1, 1, 12, 16, seed=1)
+    with pytest.raises(ValueError, match="power-of-two"):
+        delta_rule.gated_delta_decode(qkv, g, beta, state, k_heads=1, impl="pallas", interpret=True)
+    with pytest.raises(ValueError, match="channels"):
+        delta_rule.gated_delta_decode(qkv, g, beta, state, k_heads=2)
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_decode_kernel_lowers_to_triton_without_a_gpu(t):
+    """Interpret mode skips the Pallas -> Triton lowering; lowering for CUDA on the CPU runs it (Flash-Next's
+    shapes at 32 slots, decode and a 4-token verify window, each with its default block)."""
+    args = [jnp.zeros(a.shape, jnp.bfloat16 if i == 0 else a.dtype)
+            for i, a in enumerate(_decode_inputs(32, t, 16, 48, 128, 128, seed=0))]
+    f = jax.jit(lambda *a: delta_rule.gated_delta_decode(*a, k_heads=16, impl="pallas"))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_decode_kernel_on_gpu_at_flash_next_shapes(t):
+    args = _decode_inputs(32, t, 16, 48, 128, 128, seed=t)
+    out, state = jax.jit(lambda *a: delta_rule.gated_delta_decode(*a, k_heads=16, impl="pallas"))(*args)
+    want_out, want_state = _decode_reference(*args, 16)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(state), want_state, rtol=1e-4, atol=1e-4)

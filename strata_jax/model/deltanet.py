@@ -9,6 +9,7 @@ from flax import nnx
 
 from flax import struct
 
+from pallas_kernels.delta_rule import gated_delta_decode, recurrent_rule_jnp, split_qkv
 from strata_jax.config import ModelConfig
 from strata_jax.model.cache import DeltaNetCache
 from strata_jax.model.conv import advance_tail, causal_conv
@@ -20,28 +21,10 @@ CHUNK = 64
 RECURRENT_MAX_TOKENS = 16
 
 
-def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
-    """Token-by-token gated delta rule. q,k [B,T,H,Dk] (normalised, q scaled), v [B,T,H,Dv], g/beta [B,T,H],
-    state [B,H,Dk,Dv]; all float32. Returns (out [B,T,H,Dv], final state)."""
-
-    def step(s, inputs):
-        q_t, k_t, v_t, g_t, b_t = inputs
-        s = s * jnp.exp(g_t)[..., None, None]
-        # Reductions over Dk written as multiply + sum, not einsum: a dot_general over the state's second-minor
-        # axis makes XLA transpose the whole state first (80 us per layer at 32 slots on an H200), while a
-        # column reduction reads it in place and fuses with the decay.
-        kv_mem = jnp.sum(s * k_t[..., :, None], axis=-2)
-        delta = (v_t - kv_mem) * b_t[..., None]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, jnp.sum(s * q_t[..., :, None], axis=-2)
-
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    state, out = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(out, 0, 1), state
+# The token-by-token rule in jnp, on prepared q, k, v. Decode, verify and the replay run
+# `pallas_kernels.delta_rule.gated_delta_decode` instead: the same rule from the conv output, on a GPU as a kernel
+# that reads and writes the state once.
+recurrent_gated_delta_rule = recurrent_rule_jnp
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -87,37 +70,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return jnp.moveaxis(out, 1, 2), state
 
 
-def _state_only_rule(k, v, g, beta, state):
-    """The recurrence without outputs: the state after the tokens (same arithmetic as the recurrent rule)."""
-
-    def step(s, inputs):
-        k_t, v_t, g_t, b_t = inputs
-        s = s * jnp.exp(g_t)[..., None, None]
-        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
-        return s + k_t[..., :, None] * delta[..., None, :], None
-
-    state, _ = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in (k, v, g, beta)))
-    return state
-
-
 @struct.dataclass
 class DeltaNetReplay:
     """What a verify pass keeps so the state can be rebuilt for any accepted prefix without re-running the layer:
-    the conv input and the recurrence's per-token k, v, decay and beta."""
+    the conv input, the activated conv output (q | k | v) and the recurrence's per-token decay and beta."""
 
     conv_in: jax.Array  # [B, T, conv_dim]
-    k: jax.Array  # [B, T, Hv, Dk] float32, normalised
-    v: jax.Array  # [B, T, Hv, Dv] float32
+    qkv: jax.Array  # [B, T, conv_dim]
     g: jax.Array  # [B, T, Hv]
     beta: jax.Array  # [B, T, Hv]
+    k_heads: int = struct.field(pytree_node=False)
 
 
 def replay_deltanet(before: DeltaNetCache, replay: DeltaNetReplay, n_keep: jax.Array) -> DeltaNetCache:
     """The cache as if only the first `n_keep[b]` tokens of the replayed window had been fed."""
-    t = replay.k.shape[1]
+    t = replay.qkv.shape[1]
     keep = (jnp.arange(t)[None, :] < n_keep[:, None])[..., None]
-    state = _state_only_rule(replay.k, replay.v, jnp.where(keep, replay.g, 0.0), jnp.where(keep, replay.beta, 0.0),
-                             before.state)
+    _, state = gated_delta_decode(replay.qkv, jnp.where(keep, replay.g, 0.0), jnp.where(keep, replay.beta, 0.0),
+                                  before.state, k_heads=replay.k_heads)
     return DeltaNetCache(conv=advance_tail(before.conv, replay.conv_in, n_keep), state=state)
 
 
@@ -173,11 +143,7 @@ class GatedDeltaNet(nnx.Module):
         qkv_in, z, b, a = self._project(x)
         conv_out, conv_state = causal_conv(qkv_in, cache.conv, self.conv1d.kernel(), n_valid)
         qkv = silu(conv_out.astype(jnp.float32)).astype(x.dtype)
-        q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         hk, hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
-        q = q.reshape(bsz, t, hk, cfg.linear_k_dim).astype(jnp.float32)
-        k = k.reshape(bsz, t, hk, cfg.linear_k_dim).astype(jnp.float32)
-        v = v.reshape(bsz, t, hv, cfg.linear_v_dim).astype(jnp.float32)
         valid = (jnp.arange(t)[None, :] < n_valid[:, None])[..., None]
         # Padded tokens get beta = 0 and no decay, so they leave the recurrent state untouched.
         beta = jnp.where(valid, jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
@@ -185,14 +151,12 @@ class GatedDeltaNet(nnx.Module):
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         )
         g = jnp.where(valid, g, 0.0)
-        if hv != hk:
-            q = jnp.repeat(q, hv // hk, axis=2)
-            k = jnp.repeat(k, hv // hk, axis=2)
-        q = _l2norm(q) * (cfg.linear_k_dim**-0.5)
-        k = _l2norm(k)
-        rule = recurrent_gated_delta_rule if t <= RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
-        out, state = rule(q, k, v, g, beta, cache.state)
+        if t <= RECURRENT_MAX_TOKENS:
+            out, state = gated_delta_decode(qkv, g, beta, cache.state, k_heads=hk)
+        else:
+            q, k, v = split_qkv(qkv, hk, hv, cfg.linear_k_dim, cfg.linear_v_dim)
+            out, state = chunk_gated_delta_rule(q, k, v, g, beta, cache.state)
         out = self.norm(out.astype(x.dtype), z)
         out = self.out_proj(out.reshape(bsz, t, -1))
-        replay = DeltaNetReplay(conv_in=qkv_in, k=k, v=v, g=g, beta=beta) if with_replay else None
+        replay = DeltaNetReplay(conv_in=qkv_in, qkv=qkv, g=g, beta=beta, k_heads=hk) if with_replay else None
         return out, DeltaNetCache(conv=conv_state, state=state), replay
