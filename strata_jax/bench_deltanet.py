@@ -9,6 +9,7 @@ the launch of the timing call does not count."""
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -19,6 +20,8 @@ import numpy as np
 from pallas_kernels import delta_rule
 from strata_jax.floors import copy_bandwidth
 from strata_jax.synthetic import preset_config
+
+_VARIANT = re.compile(r"bv(\d+)_w(\d+)")
 
 
 def deltanet_args(p) -> None:
@@ -32,10 +35,10 @@ def deltanet_args(p) -> None:
 def _rule(variant: str, k_heads: int):
     if variant == "jnp":
         return lambda *a: delta_rule.gated_delta_decode(*a, k_heads=k_heads, impl="jnp")
-    try:
-        bv, warps = (int(part[2:] if part.startswith("bv") else part[1:]) for part in variant.split("_"))
-    except ValueError:
-        raise SystemExit(f"bad --deltanet-variants entry {variant!r}: expected jnp or bv<N>_w<W>") from None
+    match = _VARIANT.fullmatch(variant)
+    if match is None:
+        raise SystemExit(f"bad --deltanet-variants entry {variant!r}: expected jnp or bv<N>_w<W>")
+    bv, warps = int(match[1]), int(match[2])
     interpret = jax.default_backend() != "gpu"  # a CPU smoke run: the kernel's semantics, not its speed
     return lambda *a: delta_rule.gated_delta_decode(*a, k_heads=k_heads, impl="pallas", block_v=bv, num_warps=warps,
                                                     interpret=interpret)
@@ -62,6 +65,9 @@ def _looped(rule, iters: int):
 def run_deltanet(args) -> list[dict]:
     """Median time per layer of each variant, and its error against the jnp scan, per (slots, tokens)."""
     cfg = preset_config(args.preset)
+    variants = args.deltanet_variants.split(",")
+    for variant in variants:  # reject a bad entry before any timing
+        _rule(variant, 1)
     hk, h, dk, dv = cfg.linear_num_k_heads, cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     bw = copy_bandwidth(args.bandwidth_gib)
     print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s; {args.preset}: {h} heads x [{dk}, {dv}] state",
@@ -72,7 +78,7 @@ def run_deltanet(args) -> list[dict]:
             inputs = _inputs(jax.random.key(slots * 100 + t), slots, t, hk, h, dk, dv)
             floor_us = 2 * slots * h * dk * dv * 4 / bw * 1e6
             want = None
-            for variant in args.deltanet_variants.split(","):
+            for variant in variants:
                 out, state = jax.jit(_rule(variant, hk))(*inputs)
                 if want is None:
                     want = np.asarray(out), np.asarray(state)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import delta_rule
-from strata_jax.model.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from pallas_kernels.delta_rule import recurrent_rule_jnp
+from strata_jax.model.deltanet import chunk_gated_delta_rule
 
 
 def _numpy_rule(q, k, v, g, beta, state):
@@ -36,7 +37,7 @@ def _inputs(t, seed):
 
 
 @pytest.mark.parametrize("t", [1, 5, 64, 150])
-@pytest.mark.parametrize("rule", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
+@pytest.mark.parametrize("rule", [chunk_gated_delta_rule, recurrent_rule_jnp])
 def test_rule_matches_numpy(rule, t):
     args = _inputs(t, seed=t)
     want_out, want_state = _numpy_rule(*args)

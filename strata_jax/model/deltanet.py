@@ -9,7 +9,7 @@ from flax import nnx
 
 from flax import struct
 
-from pallas_kernels.delta_rule import gated_delta_decode, recurrent_rule_jnp, split_qkv
+from pallas_kernels.delta_rule import gated_delta_decode, split_qkv
 from strata_jax.config import ModelConfig
 from strata_jax.model.cache import DeltaNetCache
 from strata_jax.model.conv import advance_tail, causal_conv
@@ -21,14 +21,10 @@ CHUNK = 64
 RECURRENT_MAX_TOKENS = 16
 
 
-# The token-by-token rule in jnp, on prepared q, k, v. Decode, verify and the replay run
-# `pallas_kernels.delta_rule.gated_delta_decode` instead: the same rule from the conv output, on a GPU as a kernel
-# that reads and writes the state once.
-recurrent_gated_delta_rule = recurrent_rule_jnp
-
-
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one."""
+    """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one
+    (`pallas_kernels.delta_rule.recurrent_rule_jnp`; decode, verify and the replay run `gated_delta_decode`, that
+    rule from the conv output, on a GPU a kernel that reads and writes the state once)."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
