@@ -79,6 +79,13 @@ class KernelConfig:
     lut_table: str = "float32"
     # compute="lut": programs per gate_up column tile along K (partial sums added by XLA before the activation)
     lut_ksplit: int = 1
+    # compute="lut": index width of the tables, 4 (16 entries per 4 inputs) or 8 (256 entries per 8 inputs)
+    lut_bits: int = 4
+    # compute="lut": the K steps written out in line instead of a loop
+    lut_unroll: bool = False
+    # compute="lut": packed words loaded with the evict-first cache hint (jax 0.10.2's ".cg" modifier does not lower),
+    # so that the streamed weights do not push the tables out of L1
+    lut_stream: bool = False
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -515,6 +522,6 @@ def _moe_lut(x, expert_ids, expert_weights, gate_up, down, cfg: KernelConfig, sc
     if cfg.lut_table not in ("float32", "bfloat16"):
         raise ValueError(f"lut_table must be 'float32' or 'bfloat16', got {cfg.lut_table!r}")
     dt = jnp.dtype(cfg.lut_table)
-    h = gate_up_lut(nibble_tables(x, dt), blocks, gate_up, cfg, interpret=interpret, poison=poison)
-    ys = down_lut(nibble_tables(h, dt), blocks, down, cfg, interpret=interpret, poison=poison)
+    h = gate_up_lut(nibble_tables(x, dt, cfg.lut_bits), blocks, gate_up, cfg, interpret=interpret, poison=poison)
+    ys = down_lut(nibble_tables(h, dt, cfg.lut_bits), blocks, down, cfg, interpret=interpret, poison=poison)
     return _weighted_sum(ys, None if schedule == "pairs" else blocks[4], expert_weights, x.dtype)

@@ -15,6 +15,8 @@ Mode `host`: one MoE layer's host expert work alone, per host kernel (`--host-ke
 inside a jitted program, and whether splitting it around the device work pays (strata_jax/bench_host.py).
 Mode `deltanet`: one Gated DeltaNet layer's recurrence (decode and verify token counts) per implementation, against
 the state's read + write at the measured bandwidth (strata_jax/bench_deltanet.py).
+Mode `hyper`: one hyper-connection call (mix, inject weights, folded injection) per implementation, the jnp form
+against the Pallas kernels of pallas_kernels.hyper_mix (strata_jax/bench_hyper.py).
 Mode `step`: the engine's decode step (one token for every slot) on a synthetic model at
 real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
 host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
@@ -39,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.bench_deltanet import deltanet_args, print_deltanet_table, run_deltanet
+from strata_jax.bench_hyper import hyper_args, print_hyper_table, run_hyper
 from strata_jax.bench_host import host_args, print_host_table, print_roundtrip_table, run_host_layer, run_roundtrip
 from strata_jax.bench_tier import print_tier_table, run_tier, tier_args
 from strata_jax.bench_users import print_users_table, run_users, users_args
@@ -278,7 +281,8 @@ def _write_json(path: str, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet"],
+    p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
+                                       "hyper"],
                    default="users",
                    help="what to measure (default: users, the seed system's scenario)")
     p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
@@ -305,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     tier_args(p)
     host_args(p)
     deltanet_args(p)
+    hyper_args(p)
     args = p.parse_args(argv)
     if args.mode == "users" and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
@@ -331,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "deltanet":  # the Gated DeltaNet recurrence alone, per implementation
         rows = run_deltanet(args)
         print_deltanet_table(rows)
+    elif args.mode == "hyper":  # one hyper-connection call, jnp vs the Pallas kernels
+        rows = run_hyper(args)
+        print_hyper_table(rows)
     else:
         rows = run_step_bench(args)
         print_table(rows)

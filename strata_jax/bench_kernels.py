@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -116,6 +117,16 @@ VARIANTS = {
                                                      lut_table="bfloat16" if bf else "float32")
        for g, d, bf in ((32, 32, True), (64, 64, True), (64, 128, True), (128, 128, True), (64, 128, False),
                         (32, 64, True))},
+    # the same tiles with byte tables (_b8: 256 entries per 8 inputs) and/or the K steps unrolled (_u)
+    **{f"lut_g{g}_d{d}{'_bf16' if bf else ''}{'_b8' if b8 else ''}{'_u' if u else ''}":
+       _lut(bn1=g, bkw1=8, bn2=d, bkw2=8, num_warps=4, lut_ksplit=5, lut_table="bfloat16" if bf else "float32",
+            lut_bits=8 if b8 else 4, lut_unroll=u)
+       for g, d in ((32, 32), (64, 128)) for bf in (False, True) for b8 in (False, True) for u in (False, True)
+       if b8 or u},
+    # words loaded with the evict-first cache hint (_ef), leaving L1 to the tables
+    **{f"lut_g{g}_d{d}{'_bf16' if bf else ''}_ef": _lut(bn1=g, bkw1=8, bn2=d, bkw2=8, num_warps=4, lut_ksplit=5,
+                                                          lut_table="bfloat16" if bf else "float32", lut_stream=True)
+       for g, d, bf in ((32, 32, False), (64, 128, True), (64, 128, False), (64, 64, True))},
     # pairs sorted by expert (blocks of one row, group_pairs' order): a shared expert's second read hits L2
     "lut_sorted_k8_w2": _lut("grouped", bm=1, bkw1=8, bkw2=8, num_warps=2),
     "lut_sorted_k8_w2_bf16": _lut("grouped", bm=1, bkw1=8, bkw2=8, num_warps=2, lut_table="bfloat16"),
@@ -236,17 +247,41 @@ def _lut_part_fn(cfg, part, interpret):
     from pallas_kernels import onebit_pallas as op
 
     dt = jnp.dtype(cfg.lut_table)
+    tables = functools.partial(ol.nibble_tables, dtype=dt, bits=cfg.lut_bits)
 
     def fn(x, i, w, g, d, h):
         c = op._resolve(cfg, g, d)
         if part == "tab":
-            return jnp.concatenate([ol.nibble_tables(x, dt), ol.nibble_tables(h, dt)])
+            return jnp.concatenate([tables(x), tables(h)])
         blocks = ol.pair_blocks(i)
         if part == "gu":
-            return ol.gate_up_lut(ol.nibble_tables(x, dt), blocks, g, c, interpret=interpret)
-        return ol.down_lut(ol.nibble_tables(h, dt), blocks, d, c, interpret=interpret)
+            return ol.gate_up_lut(tables(x), blocks, g, c, interpret=interpret)
+        return ol.down_lut(tables(h), blocks, d, c, interpret=interpret)
 
     return fn
+
+
+def run_once(tokens: list[int], names: list[str]) -> int:
+    """Each variant's MoE layer at Flash-Next shapes (1 plane, random routing), 3 calls per T: a workload for a
+    profiler such as Nsight Compute, which then sees 3 launches of every kernel per (variant, T)."""
+    interpret = jax.default_backend() != "gpu"
+    kg, kd, kx = jax.random.split(jax.random.PRNGKey(0), 3)
+    gu = random_packed(kg, EXPERTS, 2 * INTER, HIDDEN, 1, GROUP)
+    dn = random_packed(kd, EXPERTS, HIDDEN, INTER, 1, GROUP)
+    rng = np.random.default_rng(0)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--once runs the kernel variants only; unknown: {', '.join(unknown)}")
+    for name in names:
+        impl, cfg = VARIANTS[name]
+        fn = jax.jit(functools.partial(moe_experts_1bit, impl=impl, config=cfg, interpret=interpret))
+        for t in tokens:
+            ids, w = routings(rng, 1, t)
+            x = jax.random.normal(jax.random.fold_in(kx, t), (t, HIDDEN), jnp.bfloat16)
+            for _ in range(3):
+                y = jax.block_until_ready(fn(x, ids[0], w[0], gu, dn))
+            log(f"{name} T={t}: mean |y| {float(jnp.mean(jnp.abs(y.astype(jnp.float32)))):.4g}")
+    return 0
 
 
 def rel_err(a, b):
@@ -277,12 +312,17 @@ def main(argv=None):
     ap.add_argument("--pairs-max-t", type=int, default=16, help="time pairs_* variants only up to this T")
     ap.add_argument("--grouped-min-t", type=int, default=4, help="time grouped_* variants only from this T")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--once", action="store_true",
+                    help="no timing: run each variant's MoE layer 3 times per --tokens (1 plane) and exit; for a "
+                         "profiler, e.g. ncu -k regex:_gate_up_kernel --launch-skip 2 --launch-count 1 python -m ...")
     args = ap.parse_args(argv)
     if args.quick:
         HIDDEN, INTER, EXPERTS = 256, 64, 32
         args.tokens, args.iters, args.reps, args.layers = "1,4", 2, 1, 2
     else:
         EXPERTS = args.experts
+    if args.once:
+        return run_once([int(s) for s in args.tokens.split(",")], [s for s in args.variants.split(",") if s])
     t_start = time.time()
     tokens = [int(s) for s in args.tokens.split(",")]
     planes_l = [int(s) for s in args.planes.split(",")]

@@ -10,7 +10,9 @@ buffer (`command_buffer_1`) as their `hlo_op`; their event name is the instructi
 (`loop_add_fusion_85` runs `loop_add_fusion.85`), which is used instead. Kernels no instruction explains (Pallas
 kernels are named after their Python function, library kernels after themselves) are listed as `other: NAME`.
 
-Without HLO (or with `--by-kernel`), kernel time adds up per kernel name, numeric suffix dropped.
+Without HLO (or with `--by-kernel`), kernel time adds up per kernel name, numeric suffix dropped. With `--gemms`
+(HLO needed), the matrix products alone (`gemm`/`dot` instructions: XLA's Triton GEMM fusions, cuBLAS calls) add up
+per output shape and op, to see which projection runs how far from its bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import sys
 from collections import defaultdict
 
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"')
+_SHAPED = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+\[[\d,]*\])')
+_GEMM = re.compile(r"gemm|dot|cublas")
 _LAYER = re.compile(r"(linear_layer|attention_layer)")
 _PART = re.compile(r"/(ple|hyper|mixer|mlp)/")
 
@@ -88,6 +92,28 @@ def summarize(trace: dict, hlo_text: str | None, steps: int) -> list[tuple[str, 
     return sorted(rows, key=lambda r: -r[2])
 
 
+def gemm_rows(trace: dict, hlo_text: str, steps: int) -> list[tuple[str, str, int, float]]:
+    """(output shape, op name without the jit prefix, kernels per step, microseconds per step) of the kernels that
+    run a `gemm` / `dot` instruction, largest first."""
+    shapes = {m.group(1): m.group(2) for m in map(_SHAPED.match, hlo_text.splitlines()) if m}
+    ops = {}
+    for line in hlo_text.splitlines():
+        m = _OP_NAME.match(line)
+        if m:
+            ops[m.group(1)] = m.group(2).split("/", 1)[-1]
+    kernels: dict[tuple[str, str], int] = defaultdict(int)
+    micros: dict[tuple[str, str], float] = defaultdict(float)
+    for e in kernel_events(trace):
+        for inst in (e.get("args", {}).get("hlo_op", ""), _SUFFIX.sub(r".\1", e["name"]), e["name"]):
+            if inst in shapes and _GEMM.search(inst):
+                key = (shapes[inst], ops.get(inst, "?"))
+                kernels[key] += 1
+                micros[key] += float(e.get("dur", 0.0))
+                break
+    rows = [(shape, op, round(kernels[(shape, op)] / steps), micros[(shape, op)] / steps) for shape, op in kernels]
+    return sorted(rows, key=lambda r: -r[3])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                                           "(without it: time per kernel name)")
     p.add_argument("--steps", type=int, default=2, help="steps the trace holds (bench --profile traces 2)")
     p.add_argument("--by-kernel", action="store_true", help="sum by kernel name even when HLO is given")
+    p.add_argument("--gemms", action="store_true", help="the matrix products only, per output shape and op (needs HLO)")
     args = p.parse_args(argv)
+    if args.gemms and not args.hlo:
+        p.error("--gemms needs the step's HLO text")
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
         trace = json.load(f)
@@ -104,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.hlo and not args.by_kernel:
         with open(args.hlo) as f:
             hlo_text = f.read()
+    if args.gemms:
+        print("| output shape | op | kernels per step | us per step |")
+        print("| --- | --- | --- | --- |")
+        for shape, op, n, us in gemm_rows(trace, hlo_text, args.steps):
+            print(f"| {shape} | {op} | {n} | {us:.0f} |")
+        return 0
     rows = summarize(trace, hlo_text, args.steps)
     total = sum(r[2] for r in rows) or 1.0
     print(f"| {'component' if hlo_text is not None else 'kernel'} | kernels per step | us per step | share |")

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from strata_jax.bench import main
 
 
@@ -28,6 +30,18 @@ def test_deltanet_mode_runs(tmp_path):
     assert [(r["tokens"], r["variant"]) for r in rows] == [(1, "jnp"), (1, "bv16_w4"), (3, "jnp"), (3, "bv16_w4")]
     # The kernel (interpret mode here) computes what the jnp scan does, and the floor counts the state both ways.
     assert all(r["max_abs_err"] < 1e-4 and r["floor_us"] > 0 for r in rows)
+
+
+def test_hyper_mode_runs(tmp_path):
+    out = tmp_path / "hyper.json"
+    assert main(["--mode", "hyper", "--preset", "tiny", "--hyper-tokens", "1,3", "--hyper-variants", "jnp,k32_w4",
+                 "--hyper-iters", "2", "--steps", "1", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [(1, "jnp"), (1, "k32_w4"), (3, "jnp"), (3, "k32_w4")]
+    # The kernels (interpret mode here) compute what the jnp form does, through two chained calls in bf16.
+    assert all(r["max_rel_diff"] < 3e-2 and r["floor_us"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="k<N>_w<W>"):
+        main(["--mode", "hyper", "--preset", "tiny", "--hyper-variants", "jnp,w4_k32"])
 
 
 def test_users_mode_runs(tmp_path):
@@ -143,3 +157,8 @@ def test_profile_maps_command_buffer_kernels_by_name():
                     "other: _gate_up_kernel": (1, 20.0)}
     by_kernel = {name: (n, us) for name, n, us in summarize({"traceEvents": events}, None, steps=1)}
     assert by_kernel == {"loop_add_fusion": (1, 3.0), "gemm_fusion_dot": (2, 10.0), "_gate_up_kernel": (1, 20.0)}
+    # --gemms: the matrix products alone, by output shape and op (the jit prefix dropped)
+    from strata_jax.bench_profile import gemm_rows
+
+    assert gemm_rows({"traceEvents": events}, hlo, steps=2) == [("bf16[4,8]", "attention_layer/mlp/dot_general", 1,
+                                                                  5.0)]

@@ -30,7 +30,7 @@ def test_layer_draft_is_the_source_model_truncated(tmp_path):
     h = jnp.tile(lm.model.embed_tokens(jnp.asarray(tokens)), (1, 1, source.config.hc_count))
     cache = init_cache(source.config, 1, t, jnp.float32).layers[0]
     h, _, _ = lm.model.layers[0](h, cache, jnp.zeros(1, jnp.int32), jnp.full(1, t, jnp.int32), None)
-    h, _ = lm.model.hyper_connection_mixer(h)
+    h, _, _ = lm.model.hyper_connection_mixer(h)
     want = np.asarray(lm.logits(h))
     got = draft.logits(tokens)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

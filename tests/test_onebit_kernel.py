@@ -105,6 +105,10 @@ PALLAS_CONFIGS = {
     "sorted_lut_bf16": pk.KernelConfig(schedule="grouped", compute="lut", bm=1, lut_ksplit=2, lut_table="bfloat16"),
     "grouped_lut": pk.KernelConfig(schedule="grouped", compute="lut", bkw1=2),
     "grouped_lut_bf16": pk.KernelConfig(schedule="grouped", compute="lut", lut_table="bfloat16", bn1=64, bn2=64),
+    "pairs_lut_bytes_unrolled": pk.KernelConfig(schedule="pairs", compute="lut", lut_bits=8, lut_unroll=True,
+                                                lut_ksplit=2),
+    "grouped_lut_bytes_bf16": pk.KernelConfig(schedule="grouped", compute="lut", lut_bits=8, lut_table="bfloat16"),
+    "pairs_lut_streamed": pk.KernelConfig(schedule="pairs", compute="lut", lut_stream=True, lut_ksplit=2),
 }
 
 
@@ -209,6 +213,20 @@ def test_nibble_tables_are_the_signed_sums_of_four_inputs():
         nibble_tables(jnp.ones((1, 6)))
 
 
+def test_byte_tables_are_the_signed_sums_of_eight_inputs():
+    from pallas_kernels.onebit_lut import nibble_tables
+
+    a = np.random.default_rng(4).standard_normal((2, 16)).astype(np.float32)
+    tab = np.asarray(nibble_tables(jnp.asarray(a), bits=8)).reshape(2, 2, 256)
+    for v in (0, 1, 0x5A, 0x80, 255):
+        signs = np.array([1.0 if (v >> j) & 1 else -1.0 for j in range(8)])
+        np.testing.assert_allclose(tab[:, :, v], (a.reshape(2, 2, 8) * signs).sum(-1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        nibble_tables(jnp.ones((1, 12)), bits=8)
+    with pytest.raises(ValueError, match="lut bits"):
+        nibble_tables(jnp.ones((1, 12)), bits=6)
+
+
 @pytest.mark.parametrize("cfg_name", list(PALLAS_CONFIGS))
 def test_pallas_lowers_to_triton_without_a_gpu(cfg_name):
     """Cross-platform lowering for CUDA on this CPU machine runs the Pallas -> Triton IR lowering, which interpret
@@ -246,7 +264,8 @@ def test_gpu_real_lowering(planes):
         for name in ("auto", "pairs", "pairs_k8_split", "pairs_k8_split_tf32", "pairs_k8_split_x16", "pairs_2d",
                      "pairs_v2d_n64", "grouped", "grouped_2d", "grouped_n64_w2_tf32", "grouped_n64_w2_x16",
                      "pairs_k4_split_w2_i8", "grouped_n128_w4_i8", "lut_pairs_w2", "lut_pairs_k8_w2",
-                     "lut_grouped_n128_w4", "lut_grouped_n128_w4_bf16"):
+                     "lut_grouped_n128_w4", "lut_grouped_n128_w4_bf16", "lut_g64_d128_bf16_b8",
+                     "lut_g64_d128_bf16_u", "lut_g32_d32_b8_u", "lut_g64_d128_bf16_ef"):
             impl, cfg = VARIANTS[name]  # "auto": pallas_kernels.default_config(T)
             f = jax.jit(lambda *a, cfg=cfg: pk.moe_experts_1bit(*a, impl="pallas", config=cfg, poison=True))
             y = np.asarray(f(x.astype(jnp.bfloat16), ids, w, gu, dn), np.float32)

@@ -71,12 +71,12 @@ class DecoderLayer(nnx.Module):
                 h, ple_cache, ple_in = self.ple(h, ple_rows, cache.ple, n_valid)
         if self.cfg.hyper_connections:
             with jax.named_scope("hyper"):
-                x, w = self.attn_hyper_connection(h)
+                x, w, h = self.attn_hyper_connection(h)
             with jax.named_scope("mixer"):
                 out, mixer_cache, replay = self._mix(x, cache, start, n_valid, with_replay)
             with jax.named_scope("hyper"):
-                h = inject(h, out, w)
-                x, w = self.mlp_hyper_connection(h)
+                # The attention output's injection runs inside the MLP hyper-connection (one kernel less on a GPU).
+                x, w, h = self.mlp_hyper_connection(h, pending=(out, w))
             with jax.named_scope("mlp"):
                 y = self.mlp(x)
             with jax.named_scope("hyper"):
@@ -148,7 +148,7 @@ class TextModel(nnx.Module):
             new_layers.append(layer_cache)
             replays.append(replay)
         if cfg.hyper_connections:
-            h, _ = self.hyper_connection_mixer(h)
+            h, _, _ = self.hyper_connection_mixer(h)
         else:
             h = self.norm(h)
         new_cache = cache.replace(layers=tuple(new_layers), lengths=start + n_valid)

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.hyper_mix import hyper_mix
+from pallas_kernels.hyper_mix import inject as inject
 from strata_jax.config import ModelConfig
-from strata_jax.model.layers import Linear, RMSNorm, silu
+from strata_jax.model.layers import Linear, RMSNorm
 
 
 class HyperConnection(nnx.Module):
@@ -23,18 +25,21 @@ class HyperConnection(nnx.Module):
         self.input_mix_weight_up = Linear(cfg.hc_lowrank, width, dtype)
         self.block_inject_weight = Linear(width, self.hc, dtype) if combine else None
 
-    def __call__(self, streams: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        normed = self.hc_norm(streams)
-        mix = silu(self.input_mix_weight_down(normed) / self.hc)
-        mix = jax.nn.sigmoid(self.input_mix_weight_up(mix))
-        split = lambda y: y.reshape(*y.shape[:-1], self.hc, self.hidden)  # noqa: E731
-        mixed = jnp.mean(split(mix) * split(normed), axis=-2)
-        if self.block_inject_weight is None:
-            return mixed, None
-        return mixed, 2 * jax.nn.sigmoid(self.block_inject_weight(normed) / self.hc)
-
-
-def inject(streams: jax.Array, block_out: jax.Array, weights: jax.Array) -> jax.Array:
-    """streams [.., hc*H] + block_out [.., H] broadcast to every stream, scaled per stream by weights [.., hc]."""
-    added = block_out[..., None, :] * weights[..., :, None]
-    return streams + added.reshape(streams.shape)
+    def __call__(
+        self, streams: jax.Array, pending: tuple[jax.Array, jax.Array] | None = None
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """streams [.., hc*H] -> (block input [.., H], inject weights [.., hc] or None without `combine`, the
+        streams). `pending=(block_out, weights)` is an injection applied to the streams first (the returned streams
+        include it). `pallas_kernels.hyper_mix` picks the implementation: XLA's fusions of the jnp form by default,
+        since its Pallas kernels measured slower (docs/PERF.md)."""
+        inject_w = self.block_inject_weight
+        return hyper_mix(
+            streams,
+            self.hc_norm.weight[...],
+            self.input_mix_weight_down.weight[...],
+            self.input_mix_weight_up.weight[...],
+            None if inject_w is None else inject_w.weight[...],
+            hc=self.hc,
+            eps=self.hc_norm.eps,
+            pending=pending,
+        )

@@ -1,0 +1,119 @@
+"""`python -m strata_jax.bench --mode hyper`: one hyper-connection call (the block-input mix, its inject weights and
+the pending injection folded in, as the decoder's MLP hyper-connection runs it) at a preset's shapes, per
+implementation.
+
+The jnp form (what XLA fuses, the default) is the baseline; `k<K>_w<W>` is the Pallas pair of kernels of
+`pallas_kernels.hyper_mix` with a contraction step of at most K and W warps. `--hyper-iters` calls, each with its own
+weights (so none is found in L2) and fed the previous call's outputs, run inside one jitted scan. The floor is the
+weights plus the streams read and written, over the copy bandwidth measured in the same run."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.hyper_mix import hyper_mix
+from strata_jax.floors import copy_bandwidth
+from strata_jax.synthetic import preset_config
+
+_VARIANT = re.compile(r"k(\d+)_w(\d+)")
+
+
+def hyper_args(p) -> None:
+    """Adds the hyper-mode flags (--slots is unused; --preset, --steps and --bandwidth-gib are shared)."""
+    p.add_argument("--hyper-tokens", default="1,8,32", help="hyper mode: comma-separated tokens per call")
+    p.add_argument("--hyper-variants", default="jnp,k128_w4,k256_w4,k512_w4",
+                   help="hyper mode: jnp | k<block_k>_w<warps> (the Pallas kernels), comma-separated")
+    p.add_argument("--hyper-iters", type=int, default=24, help="hyper mode: calls per timed scan, own weights each")
+
+
+def _mix_fn(variant: str, hc: int, eps: float):
+    if variant == "jnp":
+        return lambda s, g, wd, wu, wi, pending: hyper_mix(s, g, wd, wu, wi, hc=hc, eps=eps, pending=pending,
+                                                           impl="jnp")
+    match = _VARIANT.fullmatch(variant)
+    if match is None:
+        raise SystemExit(f"bad --hyper-variants entry {variant!r}: expected jnp or k<N>_w<W>")
+    block_k, warps = int(match[1]), int(match[2])
+    interpret = jax.default_backend() != "gpu"  # a CPU smoke run: the kernels' semantics, not their speed
+    return lambda s, g, wd, wu, wi, pending: hyper_mix(s, g, wd, wu, wi, hc=hc, eps=eps, pending=pending,
+                                                       impl="pallas", block_k=block_k, num_warps=warps,
+                                                       interpret=interpret)
+
+
+def _weights(key, iters: int, hc: int, hidden: int, rank: int, dtype) -> dict:
+    width = hc * hidden
+    k = jax.random.split(key, 4)
+    return {"g": 0.1 * jax.random.normal(k[0], (iters, width), dtype),
+            "wd": 2 * jax.random.normal(k[1], (iters, rank, width), dtype) / width**0.5,
+            "wu": jax.random.normal(k[2], (iters, width, rank), dtype) / rank**0.5,
+            "wi": 2 * jax.random.normal(k[3], (iters, hc, width), dtype) / width**0.5}
+
+
+def _scanned(mix):
+    def run(streams, block_out, inject_w, weights):
+        def body(carry, w):
+            s, out, iw = carry
+            mixed, new_iw, new_s = mix(s, w["g"], w["wd"], w["wu"], w["wi"], (out, iw))
+            return (new_s, mixed, new_iw), None
+        return jax.lax.scan(body, (streams, block_out, inject_w), weights)[0]
+    return jax.jit(run)
+
+
+def run_hyper(args) -> list[dict]:
+    """Median time per call of each variant, and its largest difference from the jnp form, per token count."""
+    cfg = preset_config(args.preset)
+    hc, hidden, rank, eps = cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank, cfg.rms_norm_eps
+    if hc <= 1:
+        raise SystemExit(f"preset {args.preset} has no hyper-connections")
+    variants = args.hyper_variants.split(",")
+    for variant in variants:  # reject a bad entry before any timing
+        _mix_fn(variant, hc, eps)
+    dtype = jnp.bfloat16
+    weights = _weights(jax.random.key(0), args.hyper_iters, hc, hidden, rank, dtype)
+    bw = copy_bandwidth(args.bandwidth_gib)
+    print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s; {args.preset}: hc {hc} x hidden {hidden}, "
+          f"rank {rank}", flush=True)
+    weight_bytes = sum(int(np.prod(w.shape[1:])) * w.dtype.itemsize for w in weights.values())
+    rows = []
+    for t in (int(x) for x in args.hyper_tokens.split(",")):
+        ks, ko = jax.random.split(jax.random.key(t))
+        inputs = (jax.random.normal(ks, (t, hc * hidden), dtype), jax.random.normal(ko, (t, hidden), dtype),
+                  jnp.full((t, hc), 0.5, dtype))
+        # streams and the pending block output read, the new streams and mixed written
+        floor_us = (weight_bytes + (2 * hc + 2) * t * hidden * 2) / bw * 1e6
+        want = None
+        for variant in variants:
+            f = _scanned(_mix_fn(variant, hc, eps))
+            out = jax.block_until_ready(f(*inputs, weights))  # compile + warm-up
+            mixed = np.asarray(out[1], np.float32)
+            if want is None:
+                want = mixed
+            diff = float(np.max(np.abs(mixed - want)) / max(float(np.max(np.abs(want))), 1e-30))
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*inputs, weights))
+                times.append(time.perf_counter() - t0)
+            us = statistics.median(times) / args.hyper_iters * 1e6
+            rows.append({"tokens": t, "variant": variant, "us_per_call": us, "floor_us": floor_us,
+                         "floor_fraction": floor_us / us, "max_rel_diff": diff})
+            print(f"  T {t:3d}: {variant:10s} {us:8.1f} us/call  floor {floor_us:6.1f} us  ({floor_us / us:5.1%})  "
+                  f"diff vs jnp {diff:.1e}", flush=True)
+    return rows
+
+
+def print_hyper_table(rows: list[dict]) -> None:
+    base = {r["tokens"]: r["us_per_call"] for r in rows if r["variant"] == "jnp"}
+    print("\n| tokens | variant | us/call | floor us | % floor | vs jnp | max rel diff vs jnp |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        ref = base.get(r["tokens"])
+        ratio = f"{ref / r['us_per_call']:.2f}x" if ref else "-"
+        print(f"| {r['tokens']} | {r['variant']} | {r['us_per_call']:.1f} | {r['floor_us']:.1f} | "
+              f"{r['floor_fraction']:.0%} | {ratio} | {r['max_rel_diff']:.1e} |")
