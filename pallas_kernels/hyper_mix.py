@@ -16,13 +16,14 @@ the model, ``x + block_out * w``, is folded into the first):
 * The norm is per stream group and a group is a contiguous range of the contraction axis, so a projection of
   ``normed`` splits into per-group projections of the un-normalised input, scaled afterwards:
   ``normed @ W.T = sum_s rsqrt(mean_s(x^2) + eps) * (x_s * (1 + gamma_s)) @ W_s.T``. Kernel A (``_project_kernel``,
-  grid ``(hc, R/block_r + 1)``) computes those per-group products without waiting for the norm: program ``(s, j)``
-  owns group s and either down-projection rows ``j*block_r ..`` (a ``[Tp, block_k] x [block_k, block_r]`` dot per
-  step of a loop over the group) or, for the last j, the group's sum of squares and its inject products (plus the
-  write of the injected streams). Each program runs over its whole group in a fixed order, so there is no split-K
-  partial to reduce: nothing for XLA between the kernels, no atomics, bit-reproducible results. 80 + 4 programs at
-  the real shape (hc 4, H 2560, R 320) keep the H200's SMs busy while reading w_down once.
-* Kernel B (``_mix_kernel``, grid ``(H/block_h,)``) finishes the norm from the sums of squares, forms
+  grid ``(hc, H/block_k, R/block_r + 1)``) computes those products without waiting for the norm, one contraction
+  block per program: program ``(s, kc, j)`` takes block kc of group s and either down-projection rows
+  ``j*block_r ..`` (one ``[Tp, block_k] x [block_k, block_r]`` dot) or, for the last j, the block's sum of squares
+  and inject products (plus the write of the injected streams). Its output is one partial per block: 420 programs
+  at the real shape (hc 4, H 2560, R 320, block_k 512), none waiting on a chain of loads. The first version gave a
+  program the whole group (84 programs of 20 dependent steps) and measured 2-3x slower than XLA (docs/PERF.md).
+* Kernel B (``_mix_kernel``, grid ``(H/block_h,)``) adds kernel A's partials in a fixed order (no atomics, nothing
+  for XLA between the kernels, bit-reproducible results), finishes the norm from the sums of squares, forms
   ``silu(down / hc)`` (each program recomputes it: ``hc * T * R`` floats, cheaper than a launch), runs the up
   projection for its columns of all hc streams, recomputes ``normed`` for those columns and writes ``mixed``.
   Program 0 also finishes the inject weights.
@@ -48,17 +49,16 @@ from jax.experimental.pallas import triton as pltriton
 
 IMPLS = ("auto", "jnp", "pallas")
 MAX_TOKENS = 64  # the kernels keep [Tp, block] tiles of every stream in registers
-# Measured on an H200 (docs/PERF.md, "Fused hyper-connection kernels", 2026-11-30): the two kernels take ~42 + ~20 us
-# per call, against ~21 us for XLA's ~9 fusions, so the 1-slot step went from 10.1 to 13.5 ms. Kernel A walks its
-# group's 20 K steps one after another in only 84 programs and waits on memory at every step. So "auto" keeps the jnp
-# form; impl="pallas" runs the kernels, until a version with a wider grid (K split over programs, partial sums
-# reduced in kernel B) beats XLA.
+# The first version measured slower than XLA's ~9 fusions on an H200 (docs/PERF.md, "Fused hyper-connection
+# kernels", 2026-11-30: ~42 + ~20 us per call against ~26, the 1-slot step 10.1 -> 13.5 ms). This version (one
+# contraction block per program) has not been measured yet. Until it beats XLA in `bench --mode hyper` and in the
+# step, "auto" keeps the jnp form; impl="pallas" runs the kernels.
 AUTO_PALLAS = False
-BLOCK_K = 128
+BLOCK_K = 512
 BLOCK_R = 16
 BLOCK_H = 32
 CHUNK_R = 64
-MAX_TILE = 4096
+MAX_TILE = 8192
 _NT = (((1,), (1,)), ((), ()))  # x @ w.T with w in torch layout [out, in]
 
 
@@ -108,7 +108,8 @@ def _blocks(hidden: int, rank: int, block_k: int = BLOCK_K):
 
 
 def resolve_impl(impl: str, tokens: int, hidden: int, rank: int) -> str:
-    """"auto": the jnp form while ``AUTO_PALLAS`` is off (the kernels measured slower than XLA). With it on, the
+    """"auto": the jnp form while ``AUTO_PALLAS`` is off (the first version measured slower than XLA; this one is
+    not yet measured). With it on, the
     Pallas kernels on a GPU for at most ``MAX_TOKENS`` tokens when H and R have power-of-two blocks of at least 16
     (Triton's block and dot constraints)."""
     if impl not in IMPLS:
@@ -134,71 +135,58 @@ def _project_kernel(*refs, tokens, rows, hc, hidden, block_k, block_r, n_r, extr
     down_ref, extra_ref = refs.pop(0), refs.pop(0)
     ns_ref = refs.pop(0) if has_pending else None
     f32 = jnp.float32
-    s, j = pl.program_id(0), pl.program_id(1)
+    s, kc, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row_ok = jnp.arange(rows)[:, None] < tokens
+    # One contraction block per program: no chain of dependent loads inside a program (the first version walked
+    # the whole group in one program and waited on memory at every step); kernel B adds the blocks' partials.
+    k = pl.multiple_of(kc * block_k, block_k)
+    col = pl.multiple_of(s * hidden + k, block_k)
+    x = pltriton.load(x_ref.at[pl.ds(0, rows), pl.ds(col, block_k)], mask=row_ok, other=0.0).astype(f32)
     if has_pending:
         pw = pltriton.load(pw_ref.at[pl.ds(0, rows), s], mask=row_ok[:, 0], other=0.0).astype(f32)[:, None]
-
-    def step(i):
-        """The k-th block of group s: its column, the (injected) streams and x * (1 + gamma), float32."""
-        k = pl.multiple_of(i * block_k, block_k)
-        col = pl.multiple_of(s * hidden + k, block_k)
-        x = pltriton.load(x_ref.at[pl.ds(0, rows), pl.ds(col, block_k)], mask=row_ok, other=0.0).astype(f32)
-        if has_pending:
-            b = pltriton.load(b_ref.at[pl.ds(0, rows), pl.ds(k, block_k)], mask=row_ok, other=0.0).astype(f32)
-            x = _round(x + _round(b * pw, dtype), dtype)
-        return col, x, x * (1.0 + g_ref[pl.ds(col, block_k)].astype(f32))[None, :]
+        b = pltriton.load(b_ref.at[pl.ds(0, rows), pl.ds(k, block_k)], mask=row_ok, other=0.0).astype(f32)
+        x = _round(x + _round(b * pw, dtype), dtype)
+    xs = x * (1.0 + g_ref[pl.ds(col, block_k)].astype(f32))[None, :]
 
     @pl.when(j < n_r)
     def _down():
         r0 = pl.multiple_of(j * block_r, block_r)
-
-        def body(i, acc):
-            col, _, xs = step(i)
-            w = wd_ref[pl.ds(r0, block_r), pl.ds(col, block_k)]
-            return acc + jax.lax.dot_general(xs.astype(w.dtype), w, _NT, precision=jax.lax.Precision.HIGHEST,
-                                             preferred_element_type=f32)
-
-        down_ref[s, :, pl.ds(r0, block_r)] = jax.lax.fori_loop(0, hidden // block_k, body,
-                                                               jnp.zeros((rows, block_r), f32))
+        w = wd_ref[pl.ds(r0, block_r), pl.ds(col, block_k)]
+        down_ref[s, kc, :, pl.ds(r0, block_r)] = jax.lax.dot_general(
+            xs.astype(w.dtype), w, _NT, precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
 
     @pl.when(j == n_r)
     def _extras():
+        if has_pending:
+            pltriton.store(ns_ref.at[pl.ds(0, rows), pl.ds(col, block_k)], x.astype(ns_ref.dtype), mask=row_ok)
         lane = jnp.arange(extra)[None, :]
-
-        def body(i, acc):
-            col, x, xs = step(i)
-            if has_pending:
-                pltriton.store(ns_ref.at[pl.ds(0, rows), pl.ds(col, block_k)], x.astype(ns_ref.dtype), mask=row_ok)
-            acc = acc + jnp.where(lane == hc, jnp.sum(x * x, axis=1)[:, None], 0.0)
-            if has_inject:
-                for h in range(hc):
-                    w = wi_ref[h, pl.ds(col, block_k)].astype(f32)
-                    acc = acc + jnp.where(lane == h, jnp.sum(xs * w[None, :], axis=1)[:, None], 0.0)
-            return acc
-
-        extra_ref[s] = jax.lax.fori_loop(0, hidden // block_k, body, jnp.zeros((rows, extra), f32))
+        acc = jnp.where(lane == hc, jnp.sum(x * x, axis=1)[:, None], 0.0)
+        if has_inject:
+            for h in range(hc):
+                w = wi_ref[h, pl.ds(col, block_k)].astype(f32)
+                acc = acc + jnp.where(lane == h, jnp.sum(xs * w[None, :], axis=1)[:, None], 0.0)
+        extra_ref[s, kc] = acc
 
 
 def _mix_kernel(x_ref, g_ref, wu_ref, down_ref, extra_ref, mixed_ref, *inj_ref, tokens, rows, hc, hidden, rank,
-                block_h, chunk_r, extra, eps, dtype):
+                n_k, block_h, chunk_r, extra, eps, dtype):
     f32 = jnp.float32
     c = pl.program_id(0)
     c0 = pl.multiple_of(c * block_h, block_h)
     row_ok = jnp.arange(rows)[:, None] < tokens
-    rs = [jax.lax.rsqrt(extra_ref[s, :, hc] / hidden + eps)[:, None] for s in range(hc)]
+    # kernel A's per-block partials, added in a fixed order (deterministic)
+    rs = [jax.lax.rsqrt(sum(extra_ref[s, q, :, hc] for q in range(n_k)) / hidden + eps)[:, None] for s in range(hc)]
 
-    def body(q, ups):
-        r0 = pl.multiple_of(q * chunk_r, chunk_r)
-        down = sum(down_ref[s, :, pl.ds(r0, chunk_r)] * rs[s] for s in range(hc))
+    # Written out over R (no loop), so that every chunk's partial and weight loads can be in flight together.
+    ups = [jnp.zeros((rows, block_h), f32) for _ in range(hc)]
+    for q in range(rank // chunk_r):
+        r0 = q * chunk_r
+        down = sum(sum(down_ref[s, kq, :, pl.ds(r0, chunk_r)] for kq in range(n_k)) * rs[s] for s in range(hc))
         v = _round(_round(down, dtype) / hc, dtype)
         act = (v * _round(jax.nn.sigmoid(v), dtype)).astype(wu_ref.dtype)
-        return tuple(
-            ups[s] + jax.lax.dot_general(act, wu_ref[pl.ds(s * hidden + c0, block_h), pl.ds(r0, chunk_r)], _NT,
-                                         precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
-            for s in range(hc))
-
-    ups = jax.lax.fori_loop(0, rank // chunk_r, body, tuple(jnp.zeros((rows, block_h), f32) for _ in range(hc)))
+        ups = [ups[s] + jax.lax.dot_general(act, wu_ref[pl.ds(s * hidden + c0, block_h), pl.ds(r0, chunk_r)], _NT,
+                                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
+               for s in range(hc)]
     acc = jnp.zeros((rows, block_h), f32)
     for s in range(hc):
         col = pl.multiple_of(s * hidden + c0, block_h)
@@ -211,7 +199,7 @@ def _mix_kernel(x_ref, g_ref, wu_ref, down_ref, extra_ref, mixed_ref, *inj_ref, 
     if inj_ref:
         @pl.when(c == 0)
         def _inject():
-            logits = _round(sum(extra_ref[s] * rs[s] for s in range(hc)), dtype)
+            logits = _round(sum(sum(extra_ref[s, q] for q in range(n_k)) * rs[s] for s in range(hc)), dtype)
             w = 2.0 * _round(jax.nn.sigmoid(_round(logits / hc, dtype)), dtype)
             lane = jnp.arange(extra)[None, :]
             pltriton.store(inj_ref[0].at[pl.ds(0, rows), pl.ds(0, extra)], w.astype(inj_ref[0].dtype),
@@ -278,7 +266,8 @@ def hyper_mix(streams, gamma, w_down, w_up, w_inject, *, hc: int, eps: float, pe
     args = [x, gamma, w_down]
     if w_inject is not None:
         args.append(w_inject)
-    out_shape = [jax.ShapeDtypeStruct((hc, rows, rank), f32), jax.ShapeDtypeStruct((hc, rows, extra), f32)]
+    n_k = hidden // block_k
+    out_shape = [jax.ShapeDtypeStruct((hc, n_k, rows, rank), f32), jax.ShapeDtypeStruct((hc, n_k, rows, extra), f32)]
     if pending is not None:
         args += [pending[0].reshape(tokens, hidden), pending[1].reshape(tokens, hc)]
         out_shape.append(jax.ShapeDtypeStruct((tokens, width), dtype))
@@ -286,7 +275,7 @@ def hyper_mix(streams, gamma, w_down, w_up, w_inject, *, hc: int, eps: float, pe
     project = functools.partial(_project_kernel, tokens=tokens, rows=rows, hc=hc, hidden=hidden, block_k=block_k,
                                 block_r=block_r, n_r=n_r, extra=extra, dtype=dtype,
                                 has_inject=w_inject is not None, has_pending=pending is not None)
-    outs = pl.pallas_call(project, grid=(hc, n_r + 1), out_shape=tuple(out_shape), interpret=interpret,
+    outs = pl.pallas_call(project, grid=(hc, n_k, n_r + 1), out_shape=tuple(out_shape), interpret=interpret,
                           **kwargs)(*args)
     down, extras = outs[:2]
     if pending is not None:
@@ -295,8 +284,8 @@ def hyper_mix(streams, gamma, w_down, w_up, w_inject, *, hc: int, eps: float, pe
     out_shape = [jax.ShapeDtypeStruct((tokens, hidden), dtype)]
     if w_inject is not None:
         out_shape.append(jax.ShapeDtypeStruct((tokens, hc), dtype))
-    mix = functools.partial(_mix_kernel, tokens=tokens, rows=rows, hc=hc, hidden=hidden, rank=rank, block_h=block_h,
-                            chunk_r=chunk_r, extra=extra, eps=eps, dtype=dtype)
+    mix = functools.partial(_mix_kernel, tokens=tokens, rows=rows, hc=hc, hidden=hidden, rank=rank, n_k=n_k,
+                            block_h=block_h, chunk_r=chunk_r, extra=extra, eps=eps, dtype=dtype)
     outs = pl.pallas_call(mix, grid=(hidden // block_h,), out_shape=tuple(out_shape), interpret=interpret,
                           **kwargs)(x, gamma, w_up, down, extras)
     mixed = outs[0].reshape(*lead, hidden)

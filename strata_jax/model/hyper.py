@@ -31,7 +31,7 @@ class HyperConnection(nnx.Module):
         """streams [.., hc*H] -> (block input [.., H], inject weights [.., hc] or None without `combine`, the
         streams). `pending=(block_out, weights)` is an injection applied to the streams first (the returned streams
         include it). `pallas_kernels.hyper_mix` picks the implementation: XLA's fusions of the jnp form by default,
-        since its Pallas kernels measured slower (docs/PERF.md)."""
+        until its Pallas kernels measure faster (docs/PERF.md)."""
         inject_w = self.block_inject_weight
         return hyper_mix(
             streams,
