@@ -244,19 +244,15 @@ def hyper_mix(streams, gamma, w_down, w_up, w_inject, *, hc: int, eps: float, pe
     same_dtype = pending is None or all(a.dtype == streams.dtype for a in pending)
     if impl == "auto" and not same_dtype or resolve_impl(impl, tokens, hidden, rank) == "jnp":
         return hyper_mix_jnp(streams, gamma, w_down, w_up, w_inject, hc=hc, eps=eps, pending=pending)
-    blocks = _blocks(hidden, rank, block_k or BLOCK_K)
+    rows = max(16, pl.next_power_of_2(tokens))
+    # By default kernel A's [rows, block_k] float32 tiles stay within MAX_TILE elements (4 warps, no spills at 64 rows).
+    blocks = _blocks(hidden, rank, block_k or min(BLOCK_K, MAX_TILE // rows))
     if blocks is None or tokens > MAX_TOKENS:
         raise ValueError(f"the Pallas hyper_mix needs H and R with power-of-two blocks of at least 16 dividing them "
                          f"and at most {MAX_TOKENS} tokens, got H={hidden}, R={rank}, T={tokens}")
     if not same_dtype:
         raise ValueError(f"the Pallas hyper_mix needs the pending injection in the streams dtype {streams.dtype}")
-    rows = max(16, pl.next_power_of_2(tokens))
-    explicit_k = block_k is not None
     block_k, block_r, block_h, chunk_r = blocks
-    if not explicit_k:
-        # Kernel A holds a few [rows, block_k] float32 tiles per thread: at most MAX_TILE elements each keeps 4
-        # warps clear of spills at 64 rows.
-        block_k = min(block_k, MAX_TILE // rows)
     extra = pl.next_power_of_2(hc + 1)  # the hc inject products and the sum of squares, one lane each
     dtype = streams.dtype
     f32 = jnp.float32

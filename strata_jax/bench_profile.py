@@ -95,11 +95,11 @@ def summarize(trace: dict, hlo_text: str | None, steps: int) -> list[tuple[str, 
 def gemm_rows(trace: dict, hlo_text: str, steps: int) -> list[tuple[str, str, int, float]]:
     """(output shape, op name without the jit prefix, kernels per step, microseconds per step) of the kernels that
     run a `gemm` / `dot` instruction, largest first."""
-    shapes = {m.group(1): m.group(2) for m in map(_SHAPED.match, hlo_text.splitlines()) if m}
-    ops = {}
+    shapes, ops = {}, {}
     for line in hlo_text.splitlines():
-        m = _OP_NAME.match(line)
-        if m:
+        if m := _SHAPED.match(line):
+            shapes[m.group(1)] = m.group(2)
+        if m := _OP_NAME.match(line):
             ops[m.group(1)] = m.group(2).split("/", 1)[-1]
     kernels: dict[tuple[str, str], int] = defaultdict(int)
     micros: dict[tuple[str, str], float] = defaultdict(float)
