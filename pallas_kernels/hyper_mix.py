@@ -1,5 +1,5 @@
-"""One hyper-connection call (the block-input mix, its inject weights, and a pending injection) as two Pallas kernels
-beside its jnp form.
+"""One hyper-connection call (the block-input mix, its inject weights, and a pending injection) as three Pallas
+kernels beside its jnp form.
 
 For streams ``x [T, hc*H]`` (stream s in columns ``s*H .. s*H+H-1``), norm weight ``gamma [hc*H]`` and the
 projections ``w_down [R, hc*H]``, ``w_up [hc*H, R]``, ``w_inject [hc, hc*H]`` (torch layout)::
@@ -9,32 +9,31 @@ projections ``w_down [R, hc*H]``, ``w_up [hc*H, R]``, ``w_inject [hc, hc*H]`` (t
     mixed    = mean_s(mix * normed)                        [T, H]
     inject_w = 2 * sigmoid(normed @ w_inject.T / hc)       [T, hc]
 
-At decode the jnp form is ~9 small XLA kernels per call, each costing a 4-5 us launch on an H200 for well under a
-microsecond of work. Here one call is two ``pallas_call``s and no XLA op (the injection that precedes the call in
-the model, ``x + block_out * w``, is folded into the first):
+At decode the jnp form is 8-10 small XLA kernels per call. Here one call is three ``pallas_call``s and no XLA op
+(the injection that precedes the call in the model, ``x + block_out * w``, is folded into the first). On an H200
+they are still slower than XLA's fusions (docs/PERF.md, "Fused hyper-connection kernels"), so "auto" keeps the jnp
+form:
 
 * The norm is per stream group and a group is a contiguous range of the contraction axis, so a projection of
   ``normed`` splits into per-group projections of the un-normalised input, scaled afterwards:
   ``normed @ W.T = sum_s rsqrt(mean_s(x^2) + eps) * (x_s * (1 + gamma_s)) @ W_s.T``. Kernel A (``_project_kernel``,
-  grid ``(hc, H/block_k, R/block_r + 1)``) computes those products without waiting for the norm, one contraction
-  block per program: program ``(s, kc, j)`` takes block kc of group s and either down-projection rows
-  ``j*block_r ..`` (one ``[Tp, block_k] x [block_k, block_r]`` dot) or, for the last j, the block's sum of squares
-  and inject products (plus the write of the injected streams). Its output is one partial per block: 420 programs
-  at the real shape (hc 4, H 2560, R 320, block_k 512), none waiting on a chain of loads. The first version gave a
-  program the whole group (84 programs of 20 dependent steps) and measured 2-3x slower than XLA (docs/PERF.md).
-* Kernel B (``_mix_kernel``, grid ``(H/block_h,)``) adds kernel A's partials in a fixed order (no atomics, nothing
-  for XLA between the kernels, bit-reproducible results), finishes the norm from the sums of squares, forms
-  ``silu(down / hc)`` (each program recomputes it: ``hc * T * R`` floats, cheaper than a launch), runs the up
-  projection for its columns of all hc streams, recomputes ``normed`` for those columns and writes ``mixed``.
-  Program 0 also finishes the inject weights.
+  grid ``(hc, H/block_k, R/block_r + 1)``) computes those products without waiting for the norm: program
+  ``(s, kc, j)`` contracts columns block kc of group s with down-projection rows ``j*block_r ..`` or, for the last
+  j, with the hc inject rows (padded to a dot's width by masked loads), and adds up the block's sums of squares and
+  writes the injected streams. Its output is one partial per block: 220 programs at the real shape (hc 4, H 2560,
+  R 320, block_k 512, block_r 32), each walking its block in steps whose float32 tiles stay in registers.
+* Kernel B (``_reduce_kernel``, grid ``(R/block_r,)``) adds kernel A's partials in a fixed order (no atomics,
+  bit-reproducible results), finishes the norm from the sums of squares and writes ``silu(down / hc)``, the
+  per-stream norm scales and the inject weights.
+* Kernel C (``_mix_kernel``, grid ``(H/block_h,)``) runs the up projection for its columns of all hc streams (one
+  dot per R chunk, the streams being a block axis), its sigmoid, times the recomputed ``normed``, and the mean.
 
 Tokens: Triton blocks are powers of two and ``tl.dot`` needs M >= 16, so the kernels work on ``Tp =
 max(16, next_pow2(T))`` rows with masked loads and stores (no padded copies of the inputs, which would each be
 another launch). Rounding: the reference rounds to the model dtype after every op; the kernels do the same (a cast
 is free) except inside the down / inject projections, which see ``x * (1 + gamma)`` (the norm comes after)
-instead of the rounded ``normed``. The down projection is a dot with operands in the weight dtype, float32
-accumulation (float32 weights: IEEE, not TF32); the hc inject products are float32 multiply + sum, not a dot
-(N = hc < 16 is too narrow for ``tl.dot``, and they are cheap in the one program per group that does them).
+instead of the rounded ``normed``. The projections are dots with operands in the weight dtype and float32
+accumulation (float32 weights: IEEE, not TF32).
 """
 
 from __future__ import annotations
@@ -49,16 +48,15 @@ from jax.experimental.pallas import triton as pltriton
 
 IMPLS = ("auto", "jnp", "pallas")
 MAX_TOKENS = 64  # the kernels keep [Tp, block] tiles of every stream in registers
-# The first version measured slower than XLA's ~9 fusions on an H200 (docs/PERF.md, "Fused hyper-connection
-# kernels", 2026-11-30: ~42 + ~20 us per call against ~26, the 1-slot step 10.1 -> 13.5 ms). This version (one
-# contraction block per program) has not been measured yet. Until it beats XLA in `bench --mode hyper` and in the
-# step, "auto" keeps the jnp form; impl="pallas" runs the kernels.
+# Three versions measured slower than XLA's fusions on an H200 (docs/PERF.md, "Fused hyper-connection kernels",
+# 2026-11-30: this one 37-55 us per call against 23-33). Until the kernels beat XLA in `bench --mode hyper` and in
+# the step, "auto" keeps the jnp form; impl="pallas" runs the kernels.
 AUTO_PALLAS = False
 BLOCK_K = 512
-BLOCK_R = 16
-BLOCK_H = 32
+BLOCK_R = 32
+BLOCK_H = 16
 CHUNK_R = 64
-MAX_TILE = 8192
+MAX_TILE = 4096
 _NT = (((1,), (1,)), ((), ()))  # x @ w.T with w in torch layout [out, in]
 
 
@@ -100,23 +98,25 @@ def _pow2_block(n: int, cap: int) -> int | None:
     return b if b >= 16 else None
 
 
-def _blocks(hidden: int, rank: int, block_k: int = BLOCK_K):
-    """(block_k, block_r, block_h, chunk_r) for these shapes, or None when the kernels cannot tile them."""
+def _blocks(hc: int, hidden: int, rank: int, block_k: int = BLOCK_K):
+    """(block_k, block_r, block_h, chunk_r) for these shapes, or None when the kernels cannot tile them (hc must be a
+    power of two, the streams being one block axis of kernel C, and fit with the sum of squares in block_r lanes)."""
     blocks = (_pow2_block(hidden, block_k), _pow2_block(rank, BLOCK_R), _pow2_block(hidden, BLOCK_H),
               _pow2_block(rank, CHUNK_R))
-    return None if None in blocks else blocks
+    if None in blocks or hc & (hc - 1) or hc + 1 > blocks[1]:
+        return None
+    return blocks
 
 
-def resolve_impl(impl: str, tokens: int, hidden: int, rank: int) -> str:
-    """"auto": the jnp form while ``AUTO_PALLAS`` is off (the first version measured slower than XLA; this one is
-    not yet measured). With it on, the
-    Pallas kernels on a GPU for at most ``MAX_TOKENS`` tokens when H and R have power-of-two blocks of at least 16
-    (Triton's block and dot constraints)."""
+def resolve_impl(impl: str, tokens: int, hidden: int, rank: int, hc: int) -> str:
+    """"auto": the jnp form while ``AUTO_PALLAS`` is off (the kernels measured slower than XLA). With it on, the Pallas
+    kernels on a GPU for at most ``MAX_TOKENS`` tokens when H and R have power-of-two blocks of at least 16
+    and hc is a power of two (Triton's block and dot constraints)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         ok = (AUTO_PALLAS and jax.default_backend() == "gpu" and tokens <= MAX_TOKENS
-              and _blocks(hidden, rank) is not None)
+              and _blocks(hc, hidden, rank) is not None)
         return "pallas" if ok else "jnp"
     return impl
 
@@ -126,7 +126,7 @@ def _round(x, dtype):
     return x.astype(dtype).astype(jnp.float32)
 
 
-def _project_kernel(*refs, tokens, rows, hc, hidden, block_k, block_r, n_r, extra, dtype, has_inject, has_pending):
+def _project_kernel(*refs, tokens, rows, hc, hidden, block_k, step_k, block_r, n_r, dtype, has_inject, has_pending):
     refs = list(refs)
     x_ref, g_ref, wd_ref = refs[:3]
     del refs[:3]
@@ -137,73 +137,89 @@ def _project_kernel(*refs, tokens, rows, hc, hidden, block_k, block_r, n_r, extr
     f32 = jnp.float32
     s, kc, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row_ok = jnp.arange(rows)[:, None] < tokens
-    # One contraction block per program: no chain of dependent loads inside a program (the first version walked
-    # the whole group in one program and waited on memory at every step); kernel B adds the blocks' partials.
-    k = pl.multiple_of(kc * block_k, block_k)
-    col = pl.multiple_of(s * hidden + k, block_k)
-    x = pltriton.load(x_ref.at[pl.ds(0, rows), pl.ds(col, block_k)], mask=row_ok, other=0.0).astype(f32)
+    # Every program does [rows, block_k] x [block_k, block_r]: program j < n_r with down-projection rows j*block_r..,
+    # the last with the hc inject rows padded to block_r (masked loads read no padding from memory). One code path
+    # with few live tiles (the second version's per-stream inject reductions spilled registers), walked in
+    # [rows, step_k] steps that keep the tiles in registers, pipelined by Triton (num_stages).
+    r0 = pl.multiple_of(jnp.minimum(j, n_r - 1) * block_r, block_r)
     if has_pending:
         pw = pltriton.load(pw_ref.at[pl.ds(0, rows), s], mask=row_ok[:, 0], other=0.0).astype(f32)[:, None]
-        b = pltriton.load(b_ref.at[pl.ds(0, rows), pl.ds(k, block_k)], mask=row_ok, other=0.0).astype(f32)
-        x = _round(x + _round(b * pw, dtype), dtype)
-    xs = x * (1.0 + g_ref[pl.ds(col, block_k)].astype(f32))[None, :]
+
+    def step(i, carry):
+        prod, sumsq = carry
+        k = pl.multiple_of(kc * block_k + i * step_k, step_k)
+        col = pl.multiple_of(s * hidden + k, step_k)
+        x = pltriton.load(x_ref.at[pl.ds(0, rows), pl.ds(col, step_k)], mask=row_ok, other=0.0).astype(f32)
+        if has_pending:
+            b = pltriton.load(b_ref.at[pl.ds(0, rows), pl.ds(k, step_k)], mask=row_ok, other=0.0).astype(f32)
+            x = _round(x + _round(b * pw, dtype), dtype)
+            pltriton.store(ns_ref.at[pl.ds(0, rows), pl.ds(col, step_k)], x.astype(ns_ref.dtype),
+                           mask=row_ok & (j == n_r))
+        xs = x * (1.0 + g_ref[pl.ds(col, step_k)].astype(f32))[None, :]
+        w = wd_ref[pl.ds(r0, block_r), pl.ds(col, step_k)]
+        if has_inject:
+            inj_rows = (jnp.arange(block_r) < hc)[:, None]
+            w_inj = pltriton.load(wi_ref.at[pl.ds(0, block_r), pl.ds(col, step_k)], mask=inj_rows, other=0.0)
+            w = jnp.where(j < n_r, w, w_inj.astype(w.dtype))
+        prod = prod + jax.lax.dot_general(xs.astype(w.dtype), w, _NT, precision=jax.lax.Precision.HIGHEST,
+                                          preferred_element_type=f32)
+        return prod, sumsq + jnp.sum(x * x, axis=1)
+
+    prod, sumsq = jax.lax.fori_loop(0, block_k // step_k, step,
+                                    (jnp.zeros((rows, block_r), f32), jnp.zeros((rows,), f32)))
 
     @pl.when(j < n_r)
     def _down():
-        r0 = pl.multiple_of(j * block_r, block_r)
-        w = wd_ref[pl.ds(r0, block_r), pl.ds(col, block_k)]
-        down_ref[s, kc, :, pl.ds(r0, block_r)] = jax.lax.dot_general(
-            xs.astype(w.dtype), w, _NT, precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
+        down_ref[s, kc, :, pl.ds(r0, block_r)] = prod
 
     @pl.when(j == n_r)
     def _extras():
-        if has_pending:
-            pltriton.store(ns_ref.at[pl.ds(0, rows), pl.ds(col, block_k)], x.astype(ns_ref.dtype), mask=row_ok)
-        lane = jnp.arange(extra)[None, :]
-        acc = jnp.where(lane == hc, jnp.sum(x * x, axis=1)[:, None], 0.0)
-        if has_inject:
-            for h in range(hc):
-                w = wi_ref[h, pl.ds(col, block_k)].astype(f32)
-                acc = acc + jnp.where(lane == h, jnp.sum(xs * w[None, :], axis=1)[:, None], 0.0)
-        extra_ref[s, kc] = acc
+        extra_ref[s, kc] = jnp.where(jnp.arange(block_r)[None, :] == hc, sumsq[:, None], prod)
 
 
-def _mix_kernel(x_ref, g_ref, wu_ref, down_ref, extra_ref, mixed_ref, *inj_ref, tokens, rows, hc, hidden, rank,
-                n_k, block_h, chunk_r, extra, eps, dtype):
-    f32 = jnp.float32
-    c = pl.program_id(0)
-    c0 = pl.multiple_of(c * block_h, block_h)
-    row_ok = jnp.arange(rows)[:, None] < tokens
-    # kernel A's per-block partials, added in a fixed order (deterministic)
-    rs = [jax.lax.rsqrt(sum(extra_ref[s, q, :, hc] for q in range(n_k)) / hidden + eps)[:, None] for s in range(hc)]
+def _reduce_kernel(down_ref, extra_ref, act_ref, rs_ref, *inj_ref, tokens, rows, hc, hidden, n_k, block_r, eps, dtype):
+    """Program j: rows ``j*block_r ..`` of R. Adds kernel A's per-block partials in a fixed order (no atomics,
+    bit-reproducible), finishes the norm from the sums of squares, and writes ``silu(down / hc)`` and (program 0)
+    the per-stream norm scales and the inject weights."""
+    j = pl.program_id(0)
+    r0 = pl.multiple_of(j * block_r, block_r)
+    rs = [jax.lax.rsqrt(sum(extra_ref[s, q, :, hc] for q in range(n_k)) / hidden + eps) for s in range(hc)]
+    down = sum(sum(down_ref[s, q, :, pl.ds(r0, block_r)] for q in range(n_k)) * rs[s][:, None] for s in range(hc))
+    v = _round(_round(down, dtype) / hc, dtype)
+    act_ref[:, pl.ds(r0, block_r)] = (v * _round(jax.nn.sigmoid(v), dtype)).astype(act_ref.dtype)
 
-    # Written out over R (no loop), so that every chunk's partial and weight loads can be in flight together.
-    ups = [jnp.zeros((rows, block_h), f32) for _ in range(hc)]
-    for q in range(rank // chunk_r):
-        r0 = q * chunk_r
-        down = sum(sum(down_ref[s, kq, :, pl.ds(r0, chunk_r)] for kq in range(n_k)) * rs[s] for s in range(hc))
-        v = _round(_round(down, dtype) / hc, dtype)
-        act = (v * _round(jax.nn.sigmoid(v), dtype)).astype(wu_ref.dtype)
-        ups = [ups[s] + jax.lax.dot_general(act, wu_ref[pl.ds(s * hidden + c0, block_h), pl.ds(r0, chunk_r)], _NT,
-                                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
-               for s in range(hc)]
-    acc = jnp.zeros((rows, block_h), f32)
-    for s in range(hc):
-        col = pl.multiple_of(s * hidden + c0, block_h)
-        x = pltriton.load(x_ref.at[pl.ds(0, rows), pl.ds(col, block_h)], mask=row_ok, other=0.0).astype(f32)
-        normed = _round(x * rs[s] * (1.0 + g_ref[pl.ds(col, block_h)].astype(f32))[None, :], dtype)
-        acc = acc + _round(_round(jax.nn.sigmoid(_round(ups[s], dtype)), dtype) * normed, dtype)
-    pltriton.store(mixed_ref.at[pl.ds(0, rows), pl.ds(c0, block_h)], (acc / hc).astype(mixed_ref.dtype),
-                   mask=row_ok)
-
-    if inj_ref:
-        @pl.when(c == 0)
-        def _inject():
-            logits = _round(sum(sum(extra_ref[s, q] for q in range(n_k)) * rs[s] for s in range(hc)), dtype)
+    @pl.when(j == 0)
+    def _scales_and_inject():
+        rs_ref[...] = sum(jnp.where(jnp.arange(hc)[None, :] == s, rs[s][:, None], 0.0) for s in range(hc))
+        lane = jnp.arange(block_r)[None, :]
+        if inj_ref:
+            logits = _round(sum(sum(extra_ref[s, q] for q in range(n_k)) * rs[s][:, None] for s in range(hc)), dtype)
             w = 2.0 * _round(jax.nn.sigmoid(_round(logits / hc, dtype)), dtype)
-            lane = jnp.arange(extra)[None, :]
-            pltriton.store(inj_ref[0].at[pl.ds(0, rows), pl.ds(0, extra)], w.astype(inj_ref[0].dtype),
-                           mask=row_ok & (lane < hc))
+            ok = (jnp.arange(rows)[:, None] < tokens) & (lane < hc)
+            pltriton.store(inj_ref[0].at[pl.ds(0, rows), pl.ds(0, block_r)], w.astype(inj_ref[0].dtype), mask=ok)
+
+
+def _mix_kernel(x_ref, g_ref, wu_ref, act_ref, rs_ref, mixed_ref, *, tokens, rows, hc, rank, block_h, chunk_r,
+                dtype):
+    """Program c: columns ``c*block_h ..`` of the block input. The up projection of ``silu(down / hc)`` for those
+    columns of every stream (x_ref [T, hc, H], g_ref [hc, H] and wu_ref [hc, H, R] are viewed per stream, so that
+    each R chunk is one [rows, chunk_r] x [chunk_r, hc*block_h] dot), its sigmoid, times the recomputed ``normed``,
+    averaged over the streams."""
+    f32 = jnp.float32
+    c0 = pl.multiple_of(pl.program_id(0) * block_h, block_h)
+    up = jnp.zeros((rows, hc * block_h), f32)
+    for q in range(rank // chunk_r):  # written out: all weight loads of the program can be in flight together
+        w = wu_ref[:, pl.ds(c0, block_h), pl.ds(q * chunk_r, chunk_r)].reshape(hc * block_h, chunk_r)
+        up = up + jax.lax.dot_general(act_ref[:, pl.ds(q * chunk_r, chunk_r)], w, _NT,
+                                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
+    row_ok = (jnp.arange(rows) < tokens)[:, None, None]
+    x = pltriton.load(x_ref.at[pl.ds(0, rows), :, pl.ds(c0, block_h)], mask=row_ok, other=0.0).astype(f32)
+    scale = rs_ref[...][:, :, None] * (1.0 + g_ref[:, pl.ds(c0, block_h)].astype(f32))[None]
+    normed = _round(x * scale, dtype)
+    gate = _round(jax.nn.sigmoid(_round(up.reshape(rows, hc, block_h), dtype)), dtype)
+    mixed = jnp.sum(_round(gate * normed, dtype), axis=1) / hc
+    pltriton.store(mixed_ref.at[pl.ds(0, rows), pl.ds(c0, block_h)], mixed.astype(mixed_ref.dtype),
+                   mask=row_ok[:, :, 0])
 
 
 def _check_shapes(streams, gamma, w_down, w_up, w_inject, hc, pending):
@@ -233,27 +249,27 @@ def hyper_mix(streams, gamma, w_down, w_up, w_inject, *, hc: int, eps: float, pe
     hc])`` is an injection (``inject``) applied to the streams first; the new streams are returned (the input
     streams when there is none). Equals ``hyper_mix_jnp``, which is what ``impl="jnp"`` runs.
 
-    ``impl``: "jnp", "pallas" or "auto" (``resolve_impl``, on the flattened token count). ``block_k`` (kernel A's
-    contraction step, at most this power of two; default ``BLOCK_K``, capped so that a [T, block_k] float32 tile stays
-    within ``MAX_TILE`` elements) and ``num_warps`` tune the kernels. ``interpret`` runs the kernels in Pallas
-    interpret mode (CPU tests)."""
+    ``impl``: "jnp", "pallas" or "auto" (``resolve_impl``, on the flattened token count). ``block_k`` (the columns of
+    one group that one program of kernel A contracts, at most this power of two; default ``BLOCK_K``; it walks them
+    in steps whose [T, step] float32 tiles stay within ``MAX_TILE`` elements) and ``num_warps`` tune the kernels.
+    ``interpret`` runs the kernels in Pallas interpret mode (CPU tests)."""
     _check_shapes(streams, gamma, w_down, w_up, w_inject, hc, pending)
     lead, width = streams.shape[:-1], streams.shape[-1]
     hidden, rank, tokens = width // hc, w_down.shape[0], math.prod(lead)
     # The kernels round the injection to the streams dtype; the jnp form promotes mixed dtypes instead.
     same_dtype = pending is None or all(a.dtype == streams.dtype for a in pending)
-    if impl == "auto" and not same_dtype or resolve_impl(impl, tokens, hidden, rank) == "jnp":
+    if impl == "auto" and not same_dtype or resolve_impl(impl, tokens, hidden, rank, hc) == "jnp":
         return hyper_mix_jnp(streams, gamma, w_down, w_up, w_inject, hc=hc, eps=eps, pending=pending)
     rows = max(16, pl.next_power_of_2(tokens))
-    # By default kernel A's [rows, block_k] float32 tiles stay within MAX_TILE elements (4 warps, no spills at 64 rows).
-    blocks = _blocks(hidden, rank, block_k or min(BLOCK_K, MAX_TILE // rows))
+    blocks = _blocks(hc, hidden, rank, block_k or BLOCK_K)
     if blocks is None or tokens > MAX_TOKENS:
-        raise ValueError(f"the Pallas hyper_mix needs H and R with power-of-two blocks of at least 16 dividing them "
-                         f"and at most {MAX_TOKENS} tokens, got H={hidden}, R={rank}, T={tokens}")
+        raise ValueError(f"the Pallas hyper_mix needs H and R with power-of-two blocks of at least 16 dividing them, "
+                         f"a power-of-two hc, and at most {MAX_TOKENS} tokens, got H={hidden}, R={rank}, hc={hc}, "
+                         f"T={tokens}")
     if not same_dtype:
         raise ValueError(f"the Pallas hyper_mix needs the pending injection in the streams dtype {streams.dtype}")
     block_k, block_r, block_h, chunk_r = blocks
-    extra = pl.next_power_of_2(hc + 1)  # the hc inject products and the sum of squares, one lane each
+    step_k = _pow2_block(block_k, max(16, MAX_TILE // rows))  # kernel A's step: [rows, step_k] f32 tiles fit
     dtype = streams.dtype
     f32 = jnp.float32
     x = streams.reshape(tokens, width)
@@ -263,13 +279,14 @@ def hyper_mix(streams, gamma, w_down, w_up, w_inject, *, hc: int, eps: float, pe
     if w_inject is not None:
         args.append(w_inject)
     n_k = hidden // block_k
-    out_shape = [jax.ShapeDtypeStruct((hc, n_k, rows, rank), f32), jax.ShapeDtypeStruct((hc, n_k, rows, extra), f32)]
+    # per contraction block: the down-projection partials, and the hc inject products + the sum of squares (lane hc)
+    out_shape = [jax.ShapeDtypeStruct((hc, n_k, rows, rank), f32), jax.ShapeDtypeStruct((hc, n_k, rows, block_r), f32)]
     if pending is not None:
         args += [pending[0].reshape(tokens, hidden), pending[1].reshape(tokens, hc)]
         out_shape.append(jax.ShapeDtypeStruct((tokens, width), dtype))
     n_r = rank // block_r
     project = functools.partial(_project_kernel, tokens=tokens, rows=rows, hc=hc, hidden=hidden, block_k=block_k,
-                                block_r=block_r, n_r=n_r, extra=extra, dtype=dtype,
+                                step_k=step_k, block_r=block_r, n_r=n_r, dtype=dtype,
                                 has_inject=w_inject is not None, has_pending=pending is not None)
     outs = pl.pallas_call(project, grid=(hc, n_k, n_r + 1), out_shape=tuple(out_shape), interpret=interpret,
                           **kwargs)(*args)
@@ -277,13 +294,20 @@ def hyper_mix(streams, gamma, w_down, w_up, w_inject, *, hc: int, eps: float, pe
     if pending is not None:
         x = outs[2]
 
-    out_shape = [jax.ShapeDtypeStruct((tokens, hidden), dtype)]
+    reduce_shape = [jax.ShapeDtypeStruct((rows, rank), w_up.dtype), jax.ShapeDtypeStruct((rows, hc), f32)]
     if w_inject is not None:
-        out_shape.append(jax.ShapeDtypeStruct((tokens, hc), dtype))
-    mix = functools.partial(_mix_kernel, tokens=tokens, rows=rows, hc=hc, hidden=hidden, rank=rank, n_k=n_k,
-                            block_h=block_h, chunk_r=chunk_r, extra=extra, eps=eps, dtype=dtype)
-    outs = pl.pallas_call(mix, grid=(hidden // block_h,), out_shape=tuple(out_shape), interpret=interpret,
-                          **kwargs)(x, gamma, w_up, down, extras)
-    mixed = outs[0].reshape(*lead, hidden)
-    weights = outs[1].reshape(*lead, hc) if w_inject is not None else None
+        reduce_shape.append(jax.ShapeDtypeStruct((tokens, hc), dtype))
+    reduce = functools.partial(_reduce_kernel, tokens=tokens, rows=rows, hc=hc, hidden=hidden, n_k=n_k,
+                               block_r=block_r, eps=eps, dtype=dtype)
+    reduced = pl.pallas_call(reduce, grid=(n_r,), out_shape=tuple(reduce_shape), interpret=interpret,
+                             **kwargs)(down, extras)
+    act, scales = reduced[:2]
+
+    mix = functools.partial(_mix_kernel, tokens=tokens, rows=rows, hc=hc, rank=rank, block_h=block_h,
+                            chunk_r=chunk_r, dtype=dtype)
+    mixed = pl.pallas_call(mix, grid=(hidden // block_h,), out_shape=jax.ShapeDtypeStruct((tokens, hidden), dtype),
+                           interpret=interpret, **kwargs)(x.reshape(tokens, hc, hidden), gamma.reshape(hc, hidden),
+                                                          w_up.reshape(hc, hidden, rank), act, scales)
+    weights = reduced[2].reshape(*lead, hc) if w_inject is not None else None
+    mixed = mixed.reshape(*lead, hidden)
     return mixed, weights, x.reshape(streams.shape)

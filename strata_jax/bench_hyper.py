@@ -2,10 +2,12 @@
 the pending injection folded in, as the decoder's MLP hyper-connection runs it) at a preset's shapes, per
 implementation.
 
-The jnp form (what XLA fuses, the default) is the baseline; `k<K>_w<W>` is the Pallas pair of kernels of
-`pallas_kernels.hyper_mix` with a contraction step of at most K and W warps. `--hyper-iters` calls, each with its own
-weights (so none is found in L2) and fed the previous call's outputs, run inside one jitted scan. The floor is the
-weights plus the streams read and written, over the copy bandwidth measured in the same run."""
+The jnp form (what XLA fuses, the default) is the baseline. `prefold` is a candidate XLA formulation with the down
+and inject projections as one GEMM against weights transformed at load time (`prefold_mix`). `k<K>_w<W>` is the
+three Pallas kernels of `pallas_kernels.hyper_mix` with at most K columns of a stream group per program of the
+projection kernel, and W warps. `--hyper-iters` calls, each with its own weights (so none is found in L2) and fed
+the previous call's outputs, run one after another inside one jitted function, as the model's layers do. The floor
+is the weights plus the streams read and written, over the copy bandwidth measured in the same run."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.hyper_mix import hyper_mix
+from pallas_kernels.hyper_mix import hyper_mix, inject
 from strata_jax.floors import copy_bandwidth
 from strata_jax.synthetic import preset_config
 
@@ -27,23 +29,50 @@ _VARIANT = re.compile(r"k(\d+)_w(\d+)")
 def hyper_args(p) -> None:
     """Adds the hyper-mode flags (--slots is unused; --preset, --steps and --bandwidth-gib are shared)."""
     p.add_argument("--hyper-tokens", default="1,8,32", help="hyper mode: comma-separated tokens per call")
-    p.add_argument("--hyper-variants", default="jnp,k128_w4,k256_w4,k512_w4",
-                   help="hyper mode: jnp | k<block_k>_w<warps> (the Pallas kernels), comma-separated")
-    p.add_argument("--hyper-iters", type=int, default=24, help="hyper mode: calls per timed scan, own weights each")
+    p.add_argument("--hyper-variants", default="jnp,prefold,k256_w4,k512_w4",
+                   help="hyper mode: jnp | prefold | k<block_k>_w<warps> (the Pallas kernels), comma-separated")
+    p.add_argument("--hyper-iters", type=int, default=24, help="hyper mode: calls per timed run, own weights each")
+
+
+def prefolded(w: dict) -> jax.Array:
+    """[w_down; w_inject] with (1 + gamma) folded into their columns: the load-time transform `prefold` assumes."""
+    f32 = jnp.float32
+    both = jnp.concatenate([w["wd"], w["wi"]]).astype(f32) * (1 + w["g"].astype(f32))
+    return both.astype(w["wd"].dtype)
+
+
+def prefold_mix(streams, gamma, w_proj, w_up, pending, *, hc: int, eps: float):
+    """A candidate XLA formulation of the call, not the model's: each stream group normalised without gamma, then one
+    GEMM against `prefolded` weights for the down and inject projections together. It equals the jnp form up to where
+    bf16 rounding happens and needs the weights transformed at load time."""
+    if pending is not None:
+        streams = inject(streams, *pending)
+    f32, dtype = jnp.float32, streams.dtype
+    hidden, rank = streams.shape[-1] // hc, w_up.shape[-1]
+    x = streams.reshape(*streams.shape[:-1], hc, hidden).astype(f32)
+    scale = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    proj = jnp.einsum("...i,oi->...o", (x * scale).astype(dtype).reshape(streams.shape), w_proj).astype(f32)
+    v = (proj[..., :rank] / hc).astype(dtype)
+    mix = jax.nn.sigmoid(jnp.einsum("...r,or->...o", v * jax.nn.sigmoid(v), w_up)).reshape(x.shape)
+    normed = (x * scale * (1 + gamma.astype(f32)).reshape(hc, hidden)).astype(dtype)
+    mixed = jnp.mean(mix * normed, axis=-2).astype(dtype)
+    return mixed, (2 * jax.nn.sigmoid(proj[..., rank:] / hc)).astype(dtype), streams
 
 
 def _mix_fn(variant: str, hc: int, eps: float):
+    """variant -> f(streams, weights dict, pending) -> (mixed, inject weights, new streams)."""
     if variant == "jnp":
-        return lambda s, g, wd, wu, wi, pending: hyper_mix(s, g, wd, wu, wi, hc=hc, eps=eps, pending=pending,
-                                                           impl="jnp")
+        return lambda s, w, pending: hyper_mix(s, w["g"], w["wd"], w["wu"], w["wi"], hc=hc, eps=eps, pending=pending,
+                                               impl="jnp")
+    if variant == "prefold":
+        return lambda s, w, pending: prefold_mix(s, w["g"], w["proj"], w["wu"], pending, hc=hc, eps=eps)
     match = _VARIANT.fullmatch(variant)
     if match is None:
-        raise SystemExit(f"bad --hyper-variants entry {variant!r}: expected jnp or k<N>_w<W>")
+        raise SystemExit(f"bad --hyper-variants entry {variant!r}: expected jnp, prefold or k<N>_w<W>")
     block_k, warps = int(match[1]), int(match[2])
     interpret = jax.default_backend() != "gpu"  # a CPU smoke run: the kernels' semantics, not their speed
-    return lambda s, g, wd, wu, wi, pending: hyper_mix(s, g, wd, wu, wi, hc=hc, eps=eps, pending=pending,
-                                                       impl="pallas", block_k=block_k, num_warps=warps,
-                                                       interpret=interpret)
+    return lambda s, w, pending: hyper_mix(s, w["g"], w["wd"], w["wu"], w["wi"], hc=hc, eps=eps, pending=pending,
+                                           impl="pallas", block_k=block_k, num_warps=warps, interpret=interpret)
 
 
 def _weights(key, iters: int, hc: int, hidden: int, rank: int, dtype) -> dict:
@@ -55,13 +84,13 @@ def _weights(key, iters: int, hc: int, hidden: int, rank: int, dtype) -> dict:
             "wi": 2 * jax.random.normal(k[3], (iters, hc, width), dtype) / width**0.5}
 
 
-def _scanned(mix):
+def _chained(mix):
+    """One jitted function running the calls one after another, each on its own weights (separate arrays, as the
+    model's layers hold them: a scan over stacked weights would add a copy of each call's slice)."""
     def run(streams, block_out, inject_w, weights):
-        def body(carry, w):
-            s, out, iw = carry
-            mixed, new_iw, new_s = mix(s, w["g"], w["wd"], w["wu"], w["wi"], (out, iw))
-            return (new_s, mixed, new_iw), None
-        return jax.lax.scan(body, (streams, block_out, inject_w), weights)[0]
+        for w in weights:
+            block_out, inject_w, streams = mix(streams, w, (block_out, inject_w))
+        return streams, block_out, inject_w
     return jax.jit(run)
 
 
@@ -75,11 +104,14 @@ def run_hyper(args) -> list[dict]:
     for variant in variants:  # reject a bad entry before any timing
         _mix_fn(variant, hc, eps)
     dtype = jnp.bfloat16
-    weights = _weights(jax.random.key(0), args.hyper_iters, hc, hidden, rank, dtype)
+    stacked = _weights(jax.random.key(0), args.hyper_iters, hc, hidden, rank, dtype)
+    weights = [{k: v[i] for k, v in stacked.items()} for i in range(args.hyper_iters)]
     bw = copy_bandwidth(args.bandwidth_gib)
     print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s; {args.preset}: hc {hc} x hidden {hidden}, "
           f"rank {rank}", flush=True)
-    weight_bytes = sum(int(np.prod(w.shape[1:])) * w.dtype.itemsize for w in weights.values())
+    weight_bytes = sum(w.nbytes for w in weights[0].values())
+    if "prefold" in variants:
+        weights = [{**w, "proj": prefolded(w)} for w in weights]
     rows = []
     for t in (int(x) for x in args.hyper_tokens.split(",")):
         ks, ko = jax.random.split(jax.random.key(t))
@@ -89,7 +121,7 @@ def run_hyper(args) -> list[dict]:
         floor_us = (weight_bytes + (2 * hc + 2) * t * hidden * 2) / bw * 1e6
         want = None
         for variant in variants:
-            f = _scanned(_mix_fn(variant, hc, eps))
+            f = _chained(_mix_fn(variant, hc, eps))
             out = jax.block_until_ready(f(*inputs, weights))  # compile + warm-up
             mixed = np.asarray(out[1], np.float32)
             if want is None:

@@ -34,11 +34,14 @@ def test_deltanet_mode_runs(tmp_path):
 
 def test_hyper_mode_runs(tmp_path):
     out = tmp_path / "hyper.json"
-    assert main(["--mode", "hyper", "--preset", "tiny", "--hyper-tokens", "1,3", "--hyper-variants", "jnp,k32_w4",
-                 "--hyper-iters", "2", "--steps", "1", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    assert main(["--mode", "hyper", "--preset", "tiny", "--hyper-tokens", "1,3", "--hyper-variants",
+                 "jnp,prefold,k32_w4", "--hyper-iters", "2", "--steps", "1", "--bandwidth-gib", "0.01",
+                 "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["tokens"], r["variant"]) for r in rows] == [(1, "jnp"), (1, "k32_w4"), (3, "jnp"), (3, "k32_w4")]
-    # The kernels (interpret mode here) compute what the jnp form does, through two chained calls in bf16.
+    assert [(r["tokens"], r["variant"]) for r in rows] == [
+        (t, v) for t in (1, 3) for v in ("jnp", "prefold", "k32_w4")]
+    # The kernels (interpret mode here) and the prefolded XLA form compute what the jnp form does, through two
+    # chained calls in bf16.
     assert all(r["max_rel_diff"] < 3e-2 and r["floor_us"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="k<N>_w<W>"):
         main(["--mode", "hyper", "--preset", "tiny", "--hyper-variants", "jnp,w4_k32"])

@@ -77,7 +77,8 @@ def test_matches_numpy_f32(impl, t, combine, pending):
 @pytest.mark.parametrize("impl", ["jnp", "pallas"])
 @pytest.mark.parametrize("t,with_all", [(3, True), (40, True), (5, False)])
 def test_matches_numpy_with_several_blocks(impl, t, with_all):
-    """H 256 and R 48: two column blocks per group in kernel A (block_k 128), three rank chunks of 16 in both."""
+    """H 256 and R 48: three rank blocks of 16 in every kernel; at 40 tokens (64 rows) kernel A walks its block of
+    256 columns in four steps of 64."""
     args = _inputs(t, 4, 256, 48, seed=100 + t, combine=with_all, pending=with_all)
     _check(_run(impl, args, 4), _numpy(*args, hc=4), 2e-5)
 
@@ -102,14 +103,15 @@ def test_kernel_keeps_leading_axes():
 
 
 def test_impl_choice_and_bad_shapes(monkeypatch):
-    assert resolve_impl("auto", 1, 2560, 320) == "jnp"  # AUTO_PALLAS is off until the kernels beat XLA
+    assert resolve_impl("auto", 1, 2560, 320, 4) == "jnp"  # AUTO_PALLAS is off until the kernels beat XLA
     monkeypatch.setattr(hyper_mix_module, "AUTO_PALLAS", True)
     want = "pallas" if jax.default_backend() == "gpu" else "jnp"
-    assert resolve_impl("auto", 1, 2560, 320) == want
-    assert resolve_impl("auto", 1, 40, 32) == "jnp"  # no power-of-two block of at least 16 divides H = 40
-    assert resolve_impl("auto", 65, 2560, 320) == "jnp"
+    assert resolve_impl("auto", 1, 2560, 320, 4) == want
+    assert resolve_impl("auto", 1, 40, 32, 4) == "jnp"  # no power-of-two block of at least 16 divides H = 40
+    assert resolve_impl("auto", 65, 2560, 320, 4) == "jnp"
+    assert resolve_impl("auto", 1, 2560, 320, 3) == "jnp"  # kernel C has the streams as a block axis
     with pytest.raises(ValueError, match="impl must be"):
-        resolve_impl("cuda", 1, 64, 32)
+        resolve_impl("cuda", 1, 64, 32, 4)
     s, g, wd, wu, wi, p = _inputs(2, 4, 40, 32, seed=1, pending=True)
     with pytest.raises(ValueError, match="power-of-two"):
         hyper_mix(s, g, wd, wu, wi, hc=4, eps=EPS, impl="pallas", interpret=True)
@@ -133,14 +135,14 @@ def _real_shape_inputs(t, seed=0):
 
 
 @pytest.mark.parametrize("t", [1, 32])
-def test_lowers_to_two_triton_kernels_without_a_gpu(t):
+def test_lowers_to_three_triton_kernels_without_a_gpu(t):
     """Interpret mode skips the Pallas -> Triton lowering; lowering for CUDA on the CPU runs it. At the real shape
-    (hc 4, H 2560, R 320, bf16), with an injection and inject weights, the whole call is two Triton kernels and
+    (hc 4, H 2560, R 320, bf16), with an injection and inject weights, the whole call is three Triton kernels and
     nothing else (reshapes only)."""
     *weights, pending = _real_shape_inputs(t)
     f = jax.jit(lambda *a, p: hyper_mix(*a, hc=4, eps=EPS, pending=p, impl="pallas"))
     text = f.trace(*weights, p=pending).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == 3
     ops = set(re.findall(r"stablehlo\.([a-z_]+)", text))
     assert ops <= {"custom_call", "reshape", "return"}, ops
 
