@@ -49,6 +49,7 @@ from strata_jax.config import DEMO_MODEL, ExpertQuantization
 from strata_jax.engine.steps import _decode, _verify, on_weight_leaves
 from strata_jax.floors import LAUNCH_US, copy_bandwidth, kernel_ops, step_bytes
 from strata_jax.model.cache import ModelCache, init_cache
+from strata_jax.model.hyper import prefold_hyper_connections
 from strata_jax.synthetic import PRESETS, preset_config, synthetic_model
 
 
@@ -116,6 +117,8 @@ def run_step_bench(args) -> list[dict]:
     print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s", flush=True)
     t = time.monotonic()
     model = synthetic_model(cfg, jnp.bfloat16, quant)
+    if args.hyper_prefold:
+        print(f"hyper-connections prefolded: {prefold_hyper_connections(model)}", flush=True)
     graphdef, state = nnx.split(model)
     jax.block_until_ready(state)
     print(f"synthetic {args.preset}: {sum(x.nbytes for x in jax.tree_util.tree_leaves(state)) / 2**30:.1f} GiB "
@@ -305,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the nnx.State pytree (to measure what flattening it on every call costs)")
     p.add_argument("--profile", metavar="DIR", help="step mode: trace a few steps of each row into DIR (Perfetto)")
     p.add_argument("--dump-hlo", metavar="DIR", help="step mode: write each compiled step's HLO text into DIR")
+    p.add_argument("--hyper-prefold", action="store_true",
+                   help="step mode: run every hyper-connection as prefold_mix (strata_jax.model.hyper), an "
+                        "experiment that is off by default")
     users_args(p)
     tier_args(p)
     host_args(p)

@@ -2,12 +2,13 @@
 the pending injection folded in, as the decoder's MLP hyper-connection runs it) at a preset's shapes, per
 implementation.
 
-The jnp form (what XLA fuses, the default) is the baseline. `prefold` is a candidate XLA formulation with the down
-and inject projections as one GEMM against weights transformed at load time (`prefold_mix`). `k<K>_w<W>` is the
-three Pallas kernels of `pallas_kernels.hyper_mix` with at most K columns of a stream group per program of the
-projection kernel, and W warps. `--hyper-iters` calls, each with its own weights (so none is found in L2) and fed
-the previous call's outputs, run one after another inside one jitted function, as the model's layers do. The floor
-is the weights plus the streams read and written, over the copy bandwidth measured in the same run."""
+The jnp form (what XLA fuses, the default) is the baseline. `prefold` is `strata_jax.model.hyper.prefold_mix`, an
+XLA formulation with the down and inject projections as one GEMM against weights transformed at load time (the
+step's `--hyper-prefold`). `k<K>_w<W>` is the three Pallas kernels of `pallas_kernels.hyper_mix` with at most K
+columns of a stream group per program of the projection kernel, and W warps. `--hyper-iters` calls, each with its
+own weights (so none is found in L2) and fed the previous call's outputs, run one after another inside one jitted
+function, as the model's layers do. The floor is the weights plus the streams read and written, over the copy
+bandwidth measured in the same run."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.hyper_mix import hyper_mix, inject
+from pallas_kernels.hyper_mix import hyper_mix
 from strata_jax.floors import copy_bandwidth
+from strata_jax.model.hyper import prefold_mix, prefolded
 from strata_jax.synthetic import preset_config
 
 _VARIANT = re.compile(r"k(\d+)_w(\d+)")
@@ -32,31 +34,6 @@ def hyper_args(p) -> None:
     p.add_argument("--hyper-variants", default="jnp,prefold,k256_w4,k512_w4",
                    help="hyper mode: jnp | prefold | k<block_k>_w<warps> (the Pallas kernels), comma-separated")
     p.add_argument("--hyper-iters", type=int, default=24, help="hyper mode: calls per timed run, own weights each")
-
-
-def prefolded(w: dict) -> jax.Array:
-    """[w_down; w_inject] with (1 + gamma) folded into their columns: the load-time transform `prefold` assumes."""
-    f32 = jnp.float32
-    both = jnp.concatenate([w["wd"], w["wi"]]).astype(f32) * (1 + w["g"].astype(f32))
-    return both.astype(w["wd"].dtype)
-
-
-def prefold_mix(streams, gamma, w_proj, w_up, pending, *, hc: int, eps: float):
-    """A candidate XLA formulation of the call, not the model's: each stream group normalised without gamma, then one
-    GEMM against `prefolded` weights for the down and inject projections together. It equals the jnp form up to where
-    bf16 rounding happens and needs the weights transformed at load time."""
-    if pending is not None:
-        streams = inject(streams, *pending)
-    f32, dtype = jnp.float32, streams.dtype
-    hidden, rank = streams.shape[-1] // hc, w_up.shape[-1]
-    x = streams.reshape(*streams.shape[:-1], hc, hidden).astype(f32)
-    scale = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    proj = jnp.einsum("...i,oi->...o", (x * scale).astype(dtype).reshape(streams.shape), w_proj).astype(f32)
-    v = (proj[..., :rank] / hc).astype(dtype)
-    mix = jax.nn.sigmoid(jnp.einsum("...r,or->...o", v * jax.nn.sigmoid(v), w_up)).reshape(x.shape)
-    normed = (x * scale * (1 + gamma.astype(f32)).reshape(hc, hidden)).astype(dtype)
-    mixed = jnp.mean(mix * normed, axis=-2).astype(dtype)
-    return mixed, (2 * jax.nn.sigmoid(proj[..., rank:] / hc)).astype(dtype), streams
 
 
 def _mix_fn(variant: str, hc: int, eps: float):
@@ -111,7 +88,7 @@ def run_hyper(args) -> list[dict]:
           f"rank {rank}", flush=True)
     weight_bytes = sum(w.nbytes for w in weights[0].values())
     if "prefold" in variants:
-        weights = [{**w, "proj": prefolded(w)} for w in weights]
+        weights = [{**w, "proj": prefolded(w["g"], w["wd"], w["wi"])} for w in weights]
     rows = []
     for t in (int(x) for x in args.hyper_tokens.split(",")):
         ks, ko = jax.random.split(jax.random.key(t))

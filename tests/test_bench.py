@@ -1,6 +1,7 @@
 """The benchmark entry points run end to end on tiny shapes (no timings are asserted: benchmarks live in bench)."""
 
 import json
+import re
 
 import pytest
 
@@ -19,6 +20,16 @@ def test_step_mode_runs(tmp_path):
     assert verify["verify_over_decode"] > 0
     rates = verify["tok_s_at_acceptance"]
     assert rates["0.9"] > rates["0.5"] > verify["tok_s"]
+
+
+def test_step_mode_runs_with_prefolded_hyper_connections(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["--mode", "step", "--preset", "tiny", "--slots", "2", "--ctx", "64", "--fill", "32", "--steps", "1",
+                 "--verify-slots", "", "--hyper-prefold", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    folded = re.search(r"hyper-connections prefolded: (\d+)", capsys.readouterr().out)
+    assert folded and int(folded[1]) > 0
+    (decode,) = json.loads(out.read_text())["rows"]
+    assert decode["slots"] == 2 and decode["device_ms"] > 0 and decode["bytes"]["dense"] > 0
 
 
 def test_deltanet_mode_runs(tmp_path):

@@ -1,6 +1,7 @@
 """The hyper-connection mix (pallas_kernels.hyper_mix): the Pallas kernels (interpret mode on CPU, cross-lowered
-for CUDA, the real thing on a GPU) and the jnp form against a float64 numpy implementation, and the model run
-through the kernels against the transformers fixture."""
+for CUDA, the real thing on a GPU), the jnp form and the prefolded form (strata_jax.model.hyper.prefold_mix) against
+a float64 numpy implementation, and the model run through the kernels or prefolded against the transformers
+fixture."""
 
 import re
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import strata_jax
+import strata_jax.api
 from conftest import FIXTURES
 from pallas_kernels import hyper_mix as hyper_mix_module
 from pallas_kernels.hyper_mix import MAX_TOKENS, hyper_mix, hyper_mix_jnp, resolve_impl
@@ -170,6 +172,45 @@ def test_model_through_the_kernels_matches_the_fixture(monkeypatch):
         logits, _, seqs = model.step(seqs, ids[:, t : t + 1])
         parts.append(logits)
     assert calls and max(calls) <= MAX_TOKENS
+    got, want = np.concatenate(parts, axis=1), ref["logits"][:, :10]
+    assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("t,combine,pending", [(1, True, True), (3, False, True), (40, True, False)])
+def test_prefold_matches_numpy(t, combine, pending, dtype, tol):
+    *weights, p = _inputs(t, 4, 64, 32, seed=300 + t, combine=combine, pending=pending, dtype=dtype)
+    s, g, wd, wu, wi = weights
+    w_proj = hyper.prefolded(g, wd, wi)
+    assert w_proj.shape == (32 + 4 * combine, 256) and w_proj.dtype == dtype
+    got = jax.jit(lambda *a, p: hyper.prefold_mix(*a, p, hc=4, eps=EPS))(s, g, w_proj, wu, p=p)
+    _check(got, _numpy(*weights, p, hc=4), tol)
+
+
+def test_prefolded_model_matches_the_fixture(monkeypatch):
+    """Every hyper-connection prefolded right after loading: a prefill chunk and token-by-token decode equal the
+    transformers logits (float32, the parity bar); the inject projections are gone from the weights."""
+    folded = []
+
+    def fill_then_prefold(model, *args, **kwargs):
+        fill(model, *args, **kwargs)
+        folded.append(hyper.prefold_hyper_connections(model))
+
+    fill = strata_jax.api.fill_params
+    monkeypatch.setattr(strata_jax.api, "fill_params", fill_then_prefold)
+    path = FIXTURES / "ckpt" / "qwen4_exp_causal"
+    model, ref = strata_jax.load_model(path), dict(np.load(path / "reference.npz"))
+    assert folded and folded[0] > 0
+    names = ["/".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(model.state)[0]]
+    assert not any("block_inject_weight" in n for n in names)
+    ids = ref["input_ids"]
+    seqs = model.start(ids.shape[0], ids.shape[1])
+    parts = []
+    logits, _, seqs = model.step(seqs, ids[:, :7])
+    parts.append(logits)
+    for t in range(7, 10):
+        logits, _, seqs = model.step(seqs, ids[:, t : t + 1])
+        parts.append(logits)
     got, want = np.concatenate(parts, axis=1), ref["logits"][:, :10]
     assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
 
