@@ -191,8 +191,8 @@ def _reduce_kernel(down_ref, extra_ref, act_ref, rs_ref, *inj_ref, tokens, rows,
     @pl.when(j == 0)
     def _scales_and_inject():
         rs_ref[...] = sum(jnp.where(jnp.arange(hc)[None, :] == s, rs[s][:, None], 0.0) for s in range(hc))
-        lane = jnp.arange(block_r)[None, :]
         if inj_ref:
+            lane = jnp.arange(block_r)[None, :]
             logits = _round(sum(sum(extra_ref[s, q] for q in range(n_k)) * rs[s][:, None] for s in range(hc)), dtype)
             w = 2.0 * _round(jax.nn.sigmoid(_round(logits / hc, dtype)), dtype)
             ok = (jnp.arange(rows)[:, None] < tokens) & (lane < hc)
