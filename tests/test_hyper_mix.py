@@ -149,6 +149,20 @@ def test_lowers_to_three_triton_kernels_without_a_gpu(t):
     assert ops <= {"custom_call", "reshape", "return"}, ops
 
 
+def _assert_fixture_logits(model, ref):
+    """A 7-token prefill chunk, then 3 decode steps, equal the transformers logits (float32, the parity bar)."""
+    ids = ref["input_ids"]
+    seqs = model.start(ids.shape[0], ids.shape[1])
+    parts = []
+    logits, _, seqs = model.step(seqs, ids[:, :7])
+    parts.append(logits)
+    for t in range(7, 10):
+        logits, _, seqs = model.step(seqs, ids[:, t : t + 1])
+        parts.append(logits)
+    got, want = np.concatenate(parts, axis=1), ref["logits"][:, :10]
+    assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
+
+
 def test_model_through_the_kernels_matches_the_fixture(monkeypatch):
     """The decoder with every hyper-connection of at most 64 tokens in the Pallas kernels (interpret mode): a
     prefill chunk and token-by-token decode equal the transformers logits (float32, the parity bar)."""
@@ -163,17 +177,8 @@ def test_model_through_the_kernels_matches_the_fixture(monkeypatch):
     monkeypatch.setattr(hyper, "hyper_mix", kernel_mix)
     path = FIXTURES / "ckpt" / "qwen4_exp_causal"
     model, ref = strata_jax.load_model(path), dict(np.load(path / "reference.npz"))
-    ids = ref["input_ids"]
-    seqs = model.start(ids.shape[0], ids.shape[1])
-    parts = []
-    logits, _, seqs = model.step(seqs, ids[:, :7])
-    parts.append(logits)
-    for t in range(7, 10):
-        logits, _, seqs = model.step(seqs, ids[:, t : t + 1])
-        parts.append(logits)
+    _assert_fixture_logits(model, ref)
     assert calls and max(calls) <= MAX_TOKENS
-    got, want = np.concatenate(parts, axis=1), ref["logits"][:, :10]
-    assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
@@ -203,16 +208,7 @@ def test_prefolded_model_matches_the_fixture(monkeypatch):
     assert folded and folded[0] > 0
     names = ["/".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(model.state)[0]]
     assert not any("block_inject_weight" in n for n in names)
-    ids = ref["input_ids"]
-    seqs = model.start(ids.shape[0], ids.shape[1])
-    parts = []
-    logits, _, seqs = model.step(seqs, ids[:, :7])
-    parts.append(logits)
-    for t in range(7, 10):
-        logits, _, seqs = model.step(seqs, ids[:, t : t + 1])
-        parts.append(logits)
-    got, want = np.concatenate(parts, axis=1), ref["logits"][:, :10]
-    assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
+    _assert_fixture_logits(model, ref)
 
 
 @pytest.mark.gpu
