@@ -16,7 +16,7 @@ inside a jitted program, and whether splitting it around the device work pays (s
 Mode `deltanet`: one Gated DeltaNet layer's recurrence (decode and verify token counts) per implementation, against
 the state's read + write at the measured bandwidth (strata_jax/bench_deltanet.py).
 Mode `hyper`: one hyper-connection call (mix, inject weights, folded injection) per implementation, the jnp form
-against the Pallas kernels of pallas_kernels.hyper_mix (strata_jax/bench_hyper.py).
+against the prefolded XLA form and the Pallas kernels of pallas_kernels.hyper_mix (strata_jax/bench_hyper.py).
 Mode `step`: the engine's decode step (one token for every slot) on a synthetic model at
 real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
 host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "deltanet":  # the Gated DeltaNet recurrence alone, per implementation
         rows = run_deltanet(args)
         print_deltanet_table(rows)
-    elif args.mode == "hyper":  # one hyper-connection call, jnp vs the Pallas kernels
+    elif args.mode == "hyper":  # one hyper-connection call, jnp vs prefold vs the Pallas kernels
         rows = run_hyper(args)
         print_hyper_table(rows)
     else:
