@@ -17,6 +17,8 @@ Mode `deltanet`: one Gated DeltaNet layer's recurrence (decode and verify token 
 the state's read + write at the measured bandwidth (strata_jax/bench_deltanet.py).
 Mode `hyper`: one hyper-connection call (mix, inject weights, folded injection) per implementation, the jnp form
 against the prefolded XLA form and the Pallas kernels of pallas_kernels.hyper_mix (strata_jax/bench_hyper.py).
+Mode `attention`: one decode-attention call per implementation, the jnp form against the Pallas kernel of
+pallas_kernels.decode_attention, beside the filled KV bytes at the measured bandwidth (strata_jax/bench_attention.py).
 Mode `step`: the engine's decode step (one token for every slot) on a synthetic model at
 real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
 host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strata_jax.bench_attention import attention_args, print_attention_table, run_attention
 from strata_jax.bench_deltanet import deltanet_args, print_deltanet_table, run_deltanet
 from strata_jax.bench_hyper import hyper_args, print_hyper_table, run_hyper
 from strata_jax.bench_host import host_args, print_host_table, print_roundtrip_table, run_host_layer, run_roundtrip
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
-                                       "hyper"],
+                                       "hyper", "attention"],
                    default="users",
                    help="what to measure (default: users, the seed system's scenario)")
     p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
@@ -310,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-hlo", metavar="DIR", help="step mode: write each compiled step's HLO text into DIR")
     p.add_argument("--hyper-prefold", action="store_true",
                    help="step mode: run every hyper-connection as prefold_mix (strata_jax.model.hyper), an "
-                        "experiment that is off by default")
+                        "experiment that is off by default (no gain in the step: docs/PERF.md)")
     users_args(p)
     tier_args(p)
     host_args(p)
     deltanet_args(p)
     hyper_args(p)
+    attention_args(p)
     args = p.parse_args(argv)
     if args.mode == "users" and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
@@ -345,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "hyper":  # one hyper-connection call, jnp vs prefold vs the Pallas kernels
         rows = run_hyper(args)
         print_hyper_table(rows)
+    elif args.mode == "attention":  # one decode-attention call, jnp vs the Pallas kernel
+        rows = run_attention(args)
+        print_attention_table(rows)
     else:
         rows = run_step_bench(args)
         print_table(rows)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import delta_rule
+from strata_jax.bench_table import print_variant_table
 from strata_jax.floors import copy_bandwidth
 from strata_jax.synthetic import preset_config
 
@@ -102,11 +103,4 @@ def run_deltanet(args) -> list[dict]:
 
 
 def print_deltanet_table(rows: list[dict]) -> None:
-    base = {(r["slots"], r["tokens"]): r["us_per_layer"] for r in rows if r["variant"] == "jnp"}
-    print("\n| slots | tokens | variant | us/layer | floor us | % floor | vs jnp | max abs err |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        ref = base.get((r["slots"], r["tokens"]))
-        ratio = f"{ref / r['us_per_layer']:.2f}x" if ref else "-"
-        print(f"| {r['slots']} | {r['tokens']} | {r['variant']} | {r['us_per_layer']:.1f} | {r['floor_us']:.1f} | "
-              f"{r['floor_fraction']:.0%} | {ratio} | {r['max_abs_err']:.1e} |")
+    print_variant_table(rows, ("slots", "tokens"), "us_per_layer", "us/layer", "max_abs_err", "max abs err")

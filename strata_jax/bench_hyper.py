@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.hyper_mix import hyper_mix
+from strata_jax.bench_table import print_variant_table
 from strata_jax.floors import copy_bandwidth
 from strata_jax.model.hyper import prefold_mix, prefolded
 from strata_jax.synthetic import preset_config
@@ -119,11 +120,4 @@ def run_hyper(args) -> list[dict]:
 
 
 def print_hyper_table(rows: list[dict]) -> None:
-    base = {r["tokens"]: r["us_per_call"] for r in rows if r["variant"] == "jnp"}
-    print("\n| tokens | variant | us/call | floor us | % floor | vs jnp | max rel diff vs jnp |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        ref = base.get(r["tokens"])
-        ratio = f"{ref / r['us_per_call']:.2f}x" if ref else "-"
-        print(f"| {r['tokens']} | {r['variant']} | {r['us_per_call']:.1f} | {r['floor_us']:.1f} | "
-              f"{r['floor_fraction']:.0%} | {ratio} | {r['max_rel_diff']:.1e} |")
+    print_variant_table(rows, ("tokens",), "us_per_call", "us/call", "max_rel_diff", "max rel diff vs jnp")

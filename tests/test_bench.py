@@ -176,3 +176,24 @@ def test_profile_maps_command_buffer_kernels_by_name():
 
     assert gemm_rows({"traceEvents": events}, hlo, steps=2) == [("bf16[4,8]", "attention_layer/mlp/dot_general", 1,
                                                                   5.0)]
+
+
+def test_attention_mode_runs(tmp_path):
+    out = tmp_path / "attention.json"
+    assert main(["--mode", "attention", "--preset", "tiny", "--slots", "2", "--ctx", "128", "--fill", "40",
+                 "--attn-tokens", "1,3", "--attn-variants", "jnp,pallas,s4_k16_w4", "--attn-iters", "2", "--steps",
+                 "1", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["slots"], r["tokens"], r["variant"]) for r in rows] == [
+        (2, t, v) for t in (1, 3) for v in ("jnp", "pallas", "s4_k16_w4")]
+    # The kernel (interpret mode here) computes what the jnp form does, through two chained calls in bf16.
+    assert all(r["us_per_call"] > 0 and r["floor_us"] > 0 and r["max_rel_diff"] < 2e-2 for r in rows)
+
+
+def test_attention_mode_rejects_bad_variants():
+    with pytest.raises(SystemExit, match="s<splits>_k<block_k>_w<warps>"):
+        main(["--mode", "attention", "--preset", "tiny", "--attn-variants", "jnp,k64_w4"])
+    # A block that does not divide the cache is refused before any timing too.
+    with pytest.raises(SystemExit, match="block_k"):
+        main(["--mode", "attention", "--preset", "tiny", "--slots", "1", "--ctx", "96", "--fill", "40",
+              "--attn-variants", "jnp,s4_k64_w4"])

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.decode_attention import decode_attention
 from strata_jax.config import ModelConfig
 from strata_jax.model.cache import AttentionCache
 from strata_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
@@ -115,10 +116,8 @@ class Attention(nnx.Module):
             selected, index_k = self.indexer(x, positions, index_k, cos, sin)
             mask = mask & selected
 
-        qh = q.reshape(bsz, t, kvh, group, d)
-        scores = jnp.einsum("btkgd,bksd->bkgts", qh, k_all.astype(q.dtype)).astype(jnp.float32) * d**-0.5
-        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, v_all.astype(q.dtype)).reshape(bsz, t, -1)
+        # The kernel (on a GPU, for decode and verify) reads each slot's cache only up to its last new token.
+        lengths = jnp.minimum(start + t, s)
+        out = decode_attention(q.reshape(bsz, t, kvh, group, d), k_all, v_all, mask, lengths).reshape(bsz, t, -1)
         out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out), AttentionCache(k=k_all, v=v_all, index_k=index_k)

@@ -92,8 +92,8 @@ class HyperConnection(nnx.Module):
 
 
 def prefold_hyper_connections(model: nnx.Module) -> int:
-    """`HyperConnection.prefold` on every hyper-connection of a loaded model (an experiment, off by default until
-    it measures faster in the step: docs/PERF.md). Returns how many were switched."""
+    """`HyperConnection.prefold` on every hyper-connection of a loaded model (an experiment, off by default: it
+    measured no faster in the step, docs/PERF.md). Returns how many were switched."""
     connections = [node for _, node in nnx.iter_graph(model) if isinstance(node, HyperConnection)]
     for connection in connections:
         connection.prefold()

@@ -1,0 +1,20 @@
+"""The table the per-call benchmark modes (hyper, deltanet, attention) print: one row per measured variant, its
+time against the floor and against the jnp form at the same shape."""
+
+from __future__ import annotations
+
+
+def print_variant_table(rows: list[dict], keys: tuple[str, ...], time_key: str, unit: str, err_key: str,
+                        err_label: str) -> None:
+    """rows carry ``keys`` (the shape columns), "variant", ``time_key`` (us), "floor_us", "floor_fraction" and
+    ``err_key``; "vs jnp" is the jnp row's time at the same ``keys`` over this row's."""
+    base = {tuple(r[k] for k in keys): r[time_key] for r in rows if r["variant"] == "jnp"}
+    cols = [*keys, "variant", unit, "floor us", "% floor", "vs jnp", err_label]
+    print("\n| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in rows:
+        ref = base.get(tuple(r[k] for k in keys))
+        ratio = f"{ref / r[time_key]:.2f}x" if ref else "-"
+        shape = "".join(f"{r[k]} | " for k in keys)
+        print(f"| {shape}{r['variant']} | {r[time_key]:.1f} | {r['floor_us']:.1f} | {r['floor_fraction']:.0%} | "
+              f"{ratio} | {r[err_key]:.1e} |")
