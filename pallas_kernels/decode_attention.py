@@ -136,6 +136,11 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
                          "[B, T, Hk, G, D], k and v [B, Hk, S, D], mask [B, T, S])")
     if resolve_impl(impl, t, d, s) == "jnp":
         return attention_jnp(q, k, v, mask)
+    if bsz * t * s >= 2**31:  # the kernel addresses the flattened mask with int32 offsets
+        if impl == "auto":
+            return attention_jnp(q, k, v, mask)
+        raise ValueError(f"the Pallas decode attention addresses B x T x S = {bsz * t * s} mask entries with int32 "
+                         "offsets; fewer slots, tokens or cache positions are needed")
     if not (_is_pow2(d) and d >= 16 and _is_pow2(block_k) and block_k >= 16 and s % block_k == 0):
         raise ValueError(f"the Pallas decode attention needs a power-of-two head dim >= 16 and a power-of-two "
                          f"block_k >= 16 dividing the cache length; got D={d}, block_k={block_k}, S={s}")

@@ -95,6 +95,10 @@ def test_impl_choice_and_bad_shapes():
     q, k, v, mask, lengths = _inputs(1, da.MAX_TOKENS + 1, 1, 2, 16, 64, [3], seed=1)
     with pytest.raises(ValueError, match="at most 16 tokens"):
         da.decode_attention(q, k, v, mask, lengths, impl="pallas", interpret=True)
+    big = jax.ShapeDtypeStruct((64, 16, 1, 2, 16), jnp.bfloat16), jax.ShapeDtypeStruct((64, 1, 2**21, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="int32"):  # 64 x 16 x 2M mask entries: past int32 offsets
+        jax.eval_shape(lambda q, k: da.decode_attention(q, k, k, jnp.zeros((64, 16, 2**21), bool),
+                                                        jnp.zeros((64,), jnp.int32), impl="pallas"), *big)
     assert da.default_splits(32, 2) == 8 and da.default_splits(1, 2) == 32 and da.default_splits(64, 2) == 4
 
 
