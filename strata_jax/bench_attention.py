@@ -4,7 +4,7 @@ implementation.
 
 The jnp form (`pallas_kernels.decode_attention.attention_jnp`: every cache position scored, then masked) is the
 baseline. `pallas` is the Pallas kernel of `pallas_kernels.decode_attention` with its default splits, block and warps;
-`s<S>_k<K>_w<W>` is the kernel with S splits per (slot, kv head, token), blocks of K keys and W warps. Every slot
+`s<S>_k<K>_w<W>` is the kernel with S splits per (slot, kv head), blocks of K keys and W warps. Every slot
 holds `--fill` tokens before the call's T, and each token sees the positions up to its own (causal, no QSA
 selection). `--attn-iters` calls, each over its own K and V cache (so none is found in L2, as the model's attention
 layers hold theirs) and fed a query nudged by the previous call's output, run one after another inside one jitted
@@ -14,15 +14,13 @@ same run."""
 from __future__ import annotations
 
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.decode_attention import decode_attention
-from strata_jax.bench_table import print_variant_table
+from strata_jax.bench_common import max_rel_diff, median_seconds, print_variant_table
 from strata_jax.floors import copy_bandwidth
 from strata_jax.synthetic import preset_config
 
@@ -106,16 +104,6 @@ def _chained(attend):
     return jax.jit(run)
 
 
-def _time(f, inputs, steps: int) -> float:
-    """Median seconds of `steps` runs of f(*inputs)."""
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*inputs))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run_attention(args) -> list[dict]:
     """Median time per call of each variant, and its largest difference from the first variant's output (the jnp
     form by default), per (slots, tokens)."""
@@ -142,8 +130,8 @@ def run_attention(args) -> list[dict]:
                 out = np.asarray(jax.block_until_ready(f(*inputs)), np.float32)  # compile + warm-up
                 if want is None:
                     want = out
-                diff = float(np.max(np.abs(out - want)) / max(float(np.max(np.abs(want))), 1e-30))
-                us = _time(f, inputs, args.steps) / args.attn_iters * 1e6
+                diff = max_rel_diff(out, want)
+                us = median_seconds(f, inputs, args.steps) / args.attn_iters * 1e6
                 rows.append({"slots": b, "tokens": t, "variant": variant, "us_per_call": us, "floor_us": floor_us,
                              "floor_fraction": floor_us / us, "max_rel_diff": diff})
                 print(f"  slots {b:3d} T {t:2d}: {variant:14s} {us:8.1f} us/call  floor {floor_us:6.1f} us  "

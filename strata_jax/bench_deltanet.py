@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import delta_rule
-from strata_jax.bench_table import print_variant_table
+from strata_jax.bench_common import print_variant_table
 from strata_jax.floors import copy_bandwidth
 from strata_jax.synthetic import preset_config
 

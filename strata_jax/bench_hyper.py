@@ -13,15 +13,13 @@ bandwidth measured in the same run."""
 from __future__ import annotations
 
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.hyper_mix import hyper_mix
-from strata_jax.bench_table import print_variant_table
+from strata_jax.bench_common import max_rel_diff, median_seconds, print_variant_table
 from strata_jax.floors import copy_bandwidth
 from strata_jax.model.hyper import prefold_mix, prefolded
 from strata_jax.synthetic import preset_config
@@ -105,13 +103,8 @@ def run_hyper(args) -> list[dict]:
             mixed = np.asarray(out[1], np.float32)
             if want is None:
                 want = mixed
-            diff = float(np.max(np.abs(mixed - want)) / max(float(np.max(np.abs(want))), 1e-30))
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(*inputs, weights))
-                times.append(time.perf_counter() - t0)
-            us = statistics.median(times) / args.hyper_iters * 1e6
+            diff = max_rel_diff(mixed, want)
+            us = median_seconds(f, (*inputs, weights), args.steps) / args.hyper_iters * 1e6
             rows.append({"tokens": t, "variant": variant, "us_per_call": us, "floor_us": floor_us,
                          "floor_fraction": floor_us / us, "max_rel_diff": diff})
             print(f"  T {t:3d}: {variant:10s} {us:8.1f} us/call  floor {floor_us:6.1f} us  ({floor_us / us:5.1%})  "

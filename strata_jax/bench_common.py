@@ -1,7 +1,29 @@
-"""The table the per-call benchmark modes (hyper, deltanet, attention) print: one row per measured variant, its
-time against the floor and against the jnp form at the same shape."""
+"""What the per-call benchmark modes (hyper, deltanet, attention) share: the median timing of a jitted call, the
+relative difference of a variant's output, and the table they print (one row per measured variant, its time
+against the floor and against the jnp form at the same shape)."""
 
 from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+
+def median_seconds(f, inputs: tuple, steps: int) -> float:
+    """Median seconds of `steps` runs of f(*inputs), each waited for (f compiled and warmed up already)."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*inputs))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def max_rel_diff(got: np.ndarray, want: np.ndarray) -> float:
+    """Largest absolute difference over the largest magnitude of `want`."""
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
 def print_variant_table(rows: list[dict], keys: tuple[str, ...], time_key: str, unit: str, err_key: str,
