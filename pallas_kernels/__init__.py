@@ -1,7 +1,7 @@
 """Pallas kernels for strata_jax, each behind a pure-jnp reference.
 
 ``moe_experts_1bit``: the routed-expert computation of a MoE layer on packed 1-bit / multi-plane
-weights (format: checkpoints/README.md, "Packed expert format")::
+weights (format: docs/FORMATS.md, "Packed expert format")::
 
     y[t] = sum_k w[t, k] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = expert_ids[t, k]
 

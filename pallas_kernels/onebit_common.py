@@ -1,6 +1,6 @@
 """The packed 1-bit expert weights as a JAX pytree, plus small jnp helpers shared by the three paths.
 
-Layout (see checkpoints/README.md, "Packed expert format"): for a dense expert stack ``w [E, N, K]``
+Layout (see docs/FORMATS.md, "Packed expert format"): for a dense expert stack ``w [E, N, K]``
 (N outputs, K inputs, HF orientation) with ``P`` residual planes and group size ``G``::
 
     bits   uint32 [E, P, K/32, N]        bit j of word w <-> input 32*w + j (LSB first); 1 -> +scale

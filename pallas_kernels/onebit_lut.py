@@ -9,7 +9,7 @@ every 4 consecutive inputs::
     tab[r, g, v] = sum_{j<4} a[r, 4g + j] * (+1 if bit j of v else -1)        g < K/4, v < 16
 
 A nibble of a packed word (bits 4i..4i+3 of word w hold inputs 4g..4g+3, g = 8w + i; LSB first, as in
-checkpoints/README.md) then contributes ``tab[r, g, nibble]``, one gather and one add per 4 weights; the word's 8
+docs/FORMATS.md) then contributes ``tab[r, g, nibble]``, one gather and one add per 4 weights; the word's 8
 nibble sums are multiplied by its group's scale once. The lanes of a warp hold one word row for consecutive output
 columns, so a warp's 32 gathers fall into one 64-byte table row (one L1 wavefront).
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from strata_jax.engine.api import GenerationRequest, SamplingParams, TokenEvent
+from strata_jax.engine.protocol import GenerationRequest, SamplingParams, TokenEvent
 
 from server.anthropic_request import MessagesRequest, parse_messages_request
 from server.anthropic_stream import MessageBuilder, SseEvent, random_id

@@ -1,6 +1,6 @@
 """Anthropic Messages API request bodies -> `ChatPrompt` + sampling settings.
 
-Tolerant by design (see ../shared/CLIENTS.md): unknown fields, block types and `cache_control` are ignored;
+Tolerant by design (see docs/CLIENTS.md): unknown fields, block types and `cache_control` are ignored;
 Claude Code's per-request attribution line in `system[0]` is dropped so the prefix cache keeps hitting; images and
 documents are replaced by a short placeholder (the model reads text only); server tools without `input_schema`
 cannot run here and are dropped.

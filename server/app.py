@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from strata_jax.engine.api import EngineProtocol
+from strata_jax.engine.protocol import EngineProtocol
 from strata_jax.tokenizer import Tokenizer
 
 from server import anthropic_api, openai_api

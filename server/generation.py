@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from strata_jax.engine.api import EngineProtocol, GenerationRequest, PromptTooLong, TokenEvent
+from strata_jax.engine.protocol import EngineProtocol, GenerationRequest, PromptTooLong, TokenEvent
 
 from server.errors import ApiError, invalid_request
 from server.metrics import ServerMetrics

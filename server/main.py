@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from strata_jax.engine.api import EngineProtocol
+from strata_jax.engine.protocol import EngineProtocol
 from strata_jax.tokenizer import Tokenizer
 
 from server.app import DEFAULT_MAX_BODY_BYTES, create_app, install_engine

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from strata_jax.engine.api import GenerationRequest, SamplingParams, TokenEvent
+from strata_jax.engine.protocol import GenerationRequest, SamplingParams, TokenEvent
 
 from server.anthropic_stream import random_id
 from server.errors import ApiError, openai_error_body

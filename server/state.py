@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from strata_jax.engine.api import EngineProtocol
+from strata_jax.engine.protocol import EngineProtocol
 from strata_jax.tokenizer import Tokenizer
 
 from server.errors import ApiError

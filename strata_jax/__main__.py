@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from strata_jax.config import DEMO_MODEL
+from strata_jax.demo import DEMO_MODEL
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -191,7 +191,7 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> int | None:
     ValueError when the plan refuses."""
     import os
 
-    from strata_jax.engine.cpu_quota import cpu_budget, describe
+    from strata_jax.host.cpu_quota import cpu_budget, describe
     from strata_jax.engine.planner import (
         DEFAULT_RESERVE_MIB,
         allocator_env,
@@ -250,7 +250,7 @@ def _checkpoint_shapes(model_dir: Path, planes: int | None, group: int | None, d
     """(config, expert format, weights dtype, has MTP) of a checkpoint, from config.json and headers only. A
     converted directory's own format wins; for a HF directory `planes` (default 1; 0 = dense) says how it would be
     quantized, or, with `quantized_only` (serve loads HF experts dense), the experts are dense."""
-    from strata_jax.config import ExpertQuantization, load_config
+    from strata_jax.model.config import ExpertQuantization, load_config
 
     cfg = load_config(model_dir)
     if (model_dir / "strata_quant.json").is_file():
@@ -278,13 +278,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     # Before JAX's backend starts: a limit of the whole card and no preallocation, so memory_stats shows the card.
     apply_env(PROBE_ENV, os.environ)
-    from strata_jax.config import ExpertQuantization
+    from strata_jax.model.config import ExpertQuantization
     from strata_jax.engine.config import EngineConfig
-    from strata_jax.engine.cpu_quota import cpu_budget, describe
+    from strata_jax.host.cpu_quota import cpu_budget, describe
     from strata_jax.engine.planner import device_memory, format_plan, make_plan
 
     if args.preset:
-        from strata_jax.synthetic import preset_config
+        from strata_jax.bench.synthetic import preset_config
 
         cfg, with_mtp, dtype = preset_config(args.preset), False, args.dtype or "bfloat16"
         planes = 1 if args.planes is None else args.planes

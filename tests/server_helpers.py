@@ -22,11 +22,11 @@ try:  # the client SDKs' HTTP library: httpx2 in current releases, httpx before
 except ImportError:  # pragma: no cover
     import httpx  # noqa: F401 - re-exported for the tests
 
-from strata_jax.engine.api import GenerationRequest, PromptTooLong, TokenEvent
+from strata_jax.engine.protocol import GenerationRequest, PromptTooLong, TokenEvent
 from strata_jax.tokenizer import Tokenizer, load_tokenizer
 
 TOKENIZER_DIR = Path(__file__).parent / "fixtures" / "tokenizer"
-CLAUDE_CODE_FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+CLAUDE_CODE_FIXTURES = Path(__file__).parent / "fixtures" / "claude_code"
 
 
 def fixture_tokenizer() -> Tokenizer:

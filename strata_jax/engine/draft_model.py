@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.api import LoadedModel
+from strata_jax.loaded_model import LoadedModel
 from strata_jax.engine.config import EngineConfig
-from strata_jax.engine.steps import DeviceSteps
+from strata_jax.engine.runner import DeviceSteps
 
 
 def _draft_k(k, graphdef, state, cache, last, active):

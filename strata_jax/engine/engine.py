@@ -10,12 +10,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from strata_jax.api import LoadedModel
-from strata_jax.engine.api import GenerationRequest, PromptTooLong, TokenEvent
+from strata_jax.loaded_model import LoadedModel
+from strata_jax.engine.protocol import GenerationRequest, PromptTooLong, TokenEvent
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.placement import PlacementConfig
 from strata_jax.engine.scheduler import Job, Scheduler
-from strata_jax.engine.steps import DeviceSteps
+from strata_jax.engine.runner import DeviceSteps
 from strata_jax.model.cache import cache_bytes
 
 

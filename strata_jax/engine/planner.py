@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from strata_jax.config import ExpertQuantization, ModelConfig
+from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.engine.config import EngineConfig
 from strata_jax.model.cache import cache_len_for, init_cache
 from strata_jax.model.decoder import CausalLM

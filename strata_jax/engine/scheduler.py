@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from strata_jax.api import LoadedModel
-from strata_jax.engine.api import FinishReason, GenerationRequest, RequestTiming, TokenEvent
+from strata_jax.loaded_model import LoadedModel
+from strata_jax.engine.protocol import FinishReason, GenerationRequest, RequestTiming, TokenEvent
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.prefix_cache import PrefixCache
 from strata_jax.engine.speculative import NgramDrafter
-from strata_jax.engine.steps import DeviceSteps
+from strata_jax.engine.runner import DeviceSteps
 from strata_jax.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("strata_jax.engine")

@@ -1,4 +1,4 @@
-"""Routed experts on the host, in numpy, straight from the packed 1-bit bytes (checkpoints/README.md, "Packed
+"""Routed experts on the host, in numpy, straight from the packed 1-bit bytes (docs/FORMATS.md, "Packed
 expert format"): no float32 copy of any weight matrix is ever made. The reference of the compiled host kernel
 (`strata_jax.host.experts_xla`, the tier's default); weight bits may be packed words or byte-major (`_byte_rows`).
 

@@ -2,7 +2,7 @@
 the pairs routed to experts outside the device pool on a shared thread pool, compiled by XLA:CPU
 (`strata_jax.host.experts_xla`, the default) or in numpy (`strata_jax.host.experts_numpy`, its reference).
 
-The pool is sized from the CPU budget actually granted (`strata_jax.engine.cpu_quota.cpu_budget`) unless
+The pool is sized from the CPU budget actually granted (`strata_jax.host.cpu_quota.cpu_budget`) unless
 `configure_workers` set it first (`--pool-workers`)."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def worker_pool() -> concurrent.futures.ThreadPoolExecutor:
             threadpoolctl.threadpool_limits(limits=1, user_api="blas")
             workers = _WORKERS
             if workers is None:
-                from strata_jax.engine.cpu_quota import cpu_budget
+                from strata_jax.host.cpu_quota import cpu_budget
 
                 workers = cpu_budget().workers
             _POOL = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="strata-host-expert")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.decode_attention import decode_attention
-from strata_jax.config import ModelConfig
+from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import AttentionCache
 from strata_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
 

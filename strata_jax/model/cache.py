@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from strata_jax.config import ModelConfig
+from strata_jax.model.config import ModelConfig
 
 
 @struct.dataclass

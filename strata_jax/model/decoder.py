@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from strata_jax.config import ExpertQuantization, ModelConfig
+from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.model.attention import Attention
 from strata_jax.model.cache import LayerCache, ModelCache
 from strata_jax.model.deltanet import DeltaNetReplay, GatedDeltaNet, replay_deltanet
@@ -36,10 +36,11 @@ class DecoderLayer(nnx.Module):
             self.linear_attn = GatedDeltaNet(cfg, dtype)
         else:
             self.self_attn = Attention(cfg, dtype)
-        if index in cfg.dense_mlp_layers:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
-        else:
+        self.sparse = index not in cfg.dense_mlp_layers
+        if self.sparse:
             self.mlp = SparseMoe(cfg, dtype, quant)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
         self.ple = PleLayer(cfg, dtype) if has_ple else None
         if cfg.hyper_connections:
             self.attn_hyper_connection = HyperConnection(cfg, dtype)
@@ -54,6 +55,9 @@ class DecoderLayer(nnx.Module):
         out, mixer_cache = self.self_attn(x, cache.mixer, start)
         return out, mixer_cache, None
 
+    def _mlp(self, x: jax.Array, real: jax.Array) -> jax.Array:
+        return self.mlp(x, real) if self.sparse else self.mlp(x)
+
     def __call__(
         self,
         h: jax.Array,
@@ -64,6 +68,9 @@ class DecoderLayer(nnx.Module):
         with_replay: bool = False,
     ) -> tuple[jax.Array, LayerCache, LayerReplay | None]:
         # Named scopes label the compiled kernels (HLO op_name), so a profile can be read by component.
+        # The real tokens of the call (bool [B, T]): padding and idle slots neither count as routing nor cost host
+        # expert work in the MoE.
+        real = jnp.arange(h.shape[1])[None, :] < n_valid[:, None]
         ple_cache = cache.ple
         ple_in = None
         if self.ple is not None:
@@ -78,7 +85,7 @@ class DecoderLayer(nnx.Module):
                 # The attention output's injection runs inside the MLP hyper-connection (one kernel less on a GPU).
                 x, w, h = self.mlp_hyper_connection(h, pending=(out, w))
             with jax.named_scope("mlp"):
-                y = self.mlp(x)
+                y = self._mlp(x, real)
             with jax.named_scope("hyper"):
                 h = inject(h, y, w)
         else:
@@ -86,7 +93,7 @@ class DecoderLayer(nnx.Module):
                 out, mixer_cache, replay = self._mix(self.input_layernorm(h), cache, start, n_valid, with_replay)
             h = h + out
             with jax.named_scope("mlp"):
-                h = h + self.mlp(self.post_attention_layernorm(h))
+                h = h + self._mlp(self.post_attention_layernorm(h), real)
         layer_replay = LayerReplay(mixer=replay, ple=ple_in) if with_replay else None
         return h, LayerCache(mixer=mixer_cache, ple=ple_cache), layer_replay
 

@@ -10,7 +10,7 @@ from flax import nnx
 from flax import struct
 
 from pallas_kernels.delta_rule import gated_delta_decode, split_qkv
-from strata_jax.config import ModelConfig
+from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import DeltaNetCache
 from strata_jax.model.conv import advance_tail, causal_conv
 from strata_jax.model.layers import DepthwiseConvWeight, GatedRMSNorm, Linear, silu

@@ -8,7 +8,7 @@ from flax import nnx
 
 from pallas_kernels.hyper_mix import hyper_mix
 from pallas_kernels.hyper_mix import inject as inject
-from strata_jax.config import ModelConfig
+from strata_jax.model.config import ModelConfig
 from strata_jax.model.layers import Linear, RMSNorm
 
 

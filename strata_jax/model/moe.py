@@ -1,13 +1,10 @@
 """Sparse MoE block: softmax router, top-k (renormalised), routed experts and a sigmoid-gated shared expert.
 
 Packed experts may be split between a fixed-size device pool and the host (`ExpertQuantization.gpu_experts`):
-see `PackedExperts` and checkpoints/README.md, "Host tier".
+see `PackedExperts` and docs/FORMATS.md, "Host tier".
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -16,33 +13,10 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import PackedWeights, moe_experts_1bit
-from strata_jax.config import ExpertQuantization, ModelConfig
+from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.host.tier import HostTier
 from strata_jax.model.layers import MLP, Linear, silu
 from strata_jax.model.params import empty_param
-
-# Which rows of the current step are real tokens (bool [rows]), set by the caller around a model call so that
-# padding and idle slots neither count as routing nor cost host work. Only read while tracing.
-_ROW_MASK: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("moe_row_mask", default=None)
-
-
-@contextlib.contextmanager
-def row_mask(mask: jax.Array | None):
-    """Marks the real tokens of the model call made inside: mask [B, T] bool, matching the call's tokens.
-    MoE layers whose input has another number of rows (e.g. chained MTP drafts) treat every row as real."""
-    token = _ROW_MASK.set(None if mask is None else mask.reshape(-1))
-    try:
-        yield
-    finally:
-        _ROW_MASK.reset(token)
-
-
-def _valid_rows(n: int) -> jax.Array:
-    mask = _ROW_MASK.get()
-    if mask is None or mask.shape[0] != n:
-        return jnp.ones((n,), bool)
-    return mask
-
 
 class ExpertSlots(nnx.Variable):
     """int32 [E]: the device pool slot of each expert, -1 for experts computed on the host."""
@@ -120,7 +94,9 @@ class Experts(nnx.Module):
         self.gate_up_proj = empty_param((e, 2 * i, h), dtype)
         self.down_proj = empty_param((e, h, i), dtype)
 
-    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """`valid` (bool [N], the real tokens) is accepted for the packed experts' interface; dense experts compute
+        every row."""
         return experts_reference(x, ids, weights, self.gate_up_proj[...], self.down_proj[...])
 
 
@@ -167,13 +143,16 @@ class PackedExperts(nnx.Module):
         self.slot_of.set_value(_initial_slots(e, self.pool_size))
         self.counts.set_value(jnp.zeros((e,), jnp.int32))
 
-    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """x [N, H], ids/weights [N, k]; `valid` (bool [N], default all) marks the real tokens: padding and idle
+        slots neither count as routing nor cost host work."""
         g = self.quant.group
         gate_up = PackedWeights(self.gate_up_bits[...], self.gate_up_scales[...], g)
         down = PackedWeights(self.down_bits[...], self.down_scales[...], g)
         if self.host is None:
             return moe_experts_1bit(x, ids, weights, gate_up, down, impl=self.quant.impl)
-        valid = _valid_rows(x.shape[0])
+        if valid is None:
+            valid = jnp.ones((x.shape[0],), bool)
         self.counts[...] = self.counts[...] + jnp.zeros((self.num_experts,), jnp.int32).at[ids].add(
             jnp.broadcast_to(valid[:, None], ids.shape).astype(jnp.int32))
         slot = self.slot_of[...][ids]
@@ -221,11 +200,12 @@ class SparseMoe(nnx.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, real: jax.Array | None = None) -> jax.Array:
+        """x [B, T, H] (or [N, H]); `real` (bool, x's leading shape) marks the real tokens (default: all)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         bias = self.gate.bias[...] if hasattr(self.gate, "bias") else None
         ids, weights = route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, bias)
-        routed = self.experts(flat, ids, weights)
+        routed = self.experts(flat, ids, weights, None if real is None else real.reshape(-1))
         shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).reshape(shape)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from strata_jax.config import ModelConfig
+from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import PleCache
 from strata_jax.model.conv import advance_tail, causal_conv
 from strata_jax.model.layers import DepthwiseConvWeight, Linear, RMSNorm, silu

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strata_jax.config import ModelConfig
+from strata_jax.model.config import ModelConfig
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15

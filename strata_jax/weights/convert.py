@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors.numpy import save_file
 
-from strata_jax.config import ExpertQuantization, ModelConfig, load_config
+from strata_jax.model.config import ExpertQuantization, ModelConfig, load_config
 from strata_jax.model.decoder import CausalLM
 from strata_jax.model.moe import PackedExperts
 from strata_jax.weights.loader import _read, has_mtp

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from strata_jax.config import load_config
+from strata_jax.model.config import load_config
 from strata_jax.weights.safetensors_io import CheckpointReader
 
 _LAYER = re.compile(r"^(model\.(?:language_model\.)?layers)\.(\d+)\.(.*)$")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.config import ModelConfig
+from strata_jax.model.config import ModelConfig
 from strata_jax.model.moe import PackedExperts
 from strata_jax.model.ple_hash import PleTable
 from strata_jax.weights.onebit import quantize_experts

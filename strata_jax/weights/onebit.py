@@ -6,7 +6,7 @@ approximated by ``P`` residual bit-planes::
     w[n, k] ~= sum_p  scale[p, g(k), n] * sign[p, k, n]      sign = +1 where the bit is 1, -1 where 0
                                                              g(k) = k // group
 
-The exact on-disk / in-memory layout (documented in ``checkpoints/README.md``, "Packed expert format"):
+The exact on-disk / in-memory layout (documented in ``docs/FORMATS.md``, "Packed expert format"):
 
 * ``bits``   uint32 ``[E, P, in/32, out]``: word ``w`` of (expert, plane, output channel ``n``) holds
   the signs of inputs ``32*w .. 32*w+31``; input ``32*w + j`` is bit ``j`` (LSB first, i.e.
@@ -34,7 +34,7 @@ import numpy as np
 
 BF16 = ml_dtypes.bfloat16
 WORD_BITS = 32
-# Default alternating-refit rounds per plane count (measured, checkpoints/README.md): 1 plane has
+# Default alternating-refit rounds per plane count (measured, docs/FORMATS.md): 1 plane has
 # nothing to refit; for 2-4 planes 8 rounds cut the relative error by 6-16% (Gaussian) and 15-34%
 # (heavy-tailed) over greedy residual fitting, at ~7x the greedy quantization time.
 DEFAULT_REFIT_ROUNDS = {1: 0, 2: 8, 3: 8, 4: 8}

@@ -1,0 +1,106 @@
+"""`python -m strata_jax.bench --mode deltanet`: one Gated DeltaNet layer's recurrence for a few tokens per slot
+(decode: 1, speculative verify: draft-k+1) at a preset's head shapes, per implementation.
+
+The input is the layer's activated conv output (bf16), as in the engine. The floor is the float32 state read once and
+written once, over the copy bandwidth measured in the same run. The jnp form (split, normalise, scan; what runs
+off-GPU) is the baseline; `bv<N>_w<W>` is the Pallas kernel with column blocks of N and W warps.
+A layer runs `--deltanet-iters` times inside one jitted loop (the state carried, as a donated cache would be) so
+the launch of the timing call does not count."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import delta_rule
+from strata_jax.bench.common import print_variant_table
+from strata_jax.bench.floors import copy_bandwidth
+from strata_jax.bench.synthetic import preset_config
+
+_VARIANT = re.compile(r"bv(\d+)_w(\d+)")
+
+
+def deltanet_args(p) -> None:
+    """Adds the deltanet-mode flags (--slots, --preset, --steps and --bandwidth-gib are shared)."""
+    p.add_argument("--deltanet-tokens", default="1,4", help="deltanet mode: comma-separated tokens per slot")
+    p.add_argument("--deltanet-variants", default="jnp,bv16_w4,bv32_w4,bv32_w8,bv64_w8",
+                   help="deltanet mode: jnp | bv<block_v>_w<warps> (the Pallas kernel), comma-separated")
+    p.add_argument("--deltanet-iters", type=int, default=20, help="deltanet mode: layers per timed call")
+
+
+def _rule(variant: str, k_heads: int):
+    if variant == "jnp":
+        return lambda *a: delta_rule.gated_delta_decode(*a, k_heads=k_heads, impl="jnp")
+    match = _VARIANT.fullmatch(variant)
+    if match is None:
+        raise SystemExit(f"bad --deltanet-variants entry {variant!r}: expected jnp or bv<N>_w<W>")
+    bv, warps = int(match[1]), int(match[2])
+    interpret = jax.default_backend() != "gpu"  # a CPU smoke run: the kernel's semantics, not its speed
+    return lambda *a: delta_rule.gated_delta_decode(*a, k_heads=k_heads, impl="pallas", block_v=bv, num_warps=warps,
+                                                    interpret=interpret)
+
+
+def _inputs(key, slots: int, t: int, hk: int, hv: int, dk: int, dv: int):
+    kx, kg, kb, ks = jax.random.split(key, 4)
+    qkv = jax.random.normal(kx, (slots, t, 2 * hk * dk + hv * dv), jnp.bfloat16)
+    g = -jax.random.uniform(kg, (slots, t, hv), minval=0.01, maxval=0.5)
+    beta = jax.random.uniform(kb, (slots, t, hv))
+    return qkv, g, beta, jax.random.normal(ks, (slots, hv, dk, dv))
+
+
+def _looped(rule, iters: int):
+    def run(qkv, g, beta, state):
+        def body(_, carry):
+            state, acc = carry
+            out, state = rule(qkv, g, beta, state)
+            return state, acc + out[:, -1, :, 0]
+        return jax.lax.fori_loop(0, iters, body, (state, jnp.zeros(g.shape[::2], jnp.float32)))
+    return jax.jit(run, donate_argnums=3)
+
+
+def run_deltanet(args) -> list[dict]:
+    """Median time per layer of each variant, and its error against the jnp scan, per (slots, tokens)."""
+    cfg = preset_config(args.preset)
+    variants = args.deltanet_variants.split(",")
+    for variant in variants:  # reject a bad entry before any timing
+        _rule(variant, 1)
+    hk, h, dk, dv = cfg.linear_num_k_heads, cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    bw = copy_bandwidth(args.bandwidth_gib)
+    print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s; {args.preset}: {h} heads x [{dk}, {dv}] state",
+          flush=True)
+    rows = []
+    for slots in args.slots:
+        for t in (int(x) for x in args.deltanet_tokens.split(",")):
+            inputs = _inputs(jax.random.key(slots * 100 + t), slots, t, hk, h, dk, dv)
+            floor_us = 2 * slots * h * dk * dv * 4 / bw * 1e6
+            want = None
+            for variant in variants:
+                out, state = jax.jit(_rule(variant, hk))(*inputs)
+                if want is None:
+                    want = np.asarray(out), np.asarray(state)
+                err = max(float(np.max(np.abs(np.asarray(out) - want[0]))),
+                          float(np.max(np.abs(np.asarray(state) - want[1]))))
+                f = _looped(_rule(variant, hk), args.deltanet_iters)
+                state = inputs[3] + 0.0
+                state, _ = f(*inputs[:3], state)  # compile + warm-up
+                times = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    state, acc = f(*inputs[:3], state)
+                    acc.block_until_ready()
+                    times.append(time.perf_counter() - t0)
+                us = statistics.median(times) / args.deltanet_iters * 1e6
+                rows.append({"slots": slots, "tokens": t, "variant": variant, "us_per_layer": us,
+                             "floor_us": floor_us, "floor_fraction": floor_us / us, "max_abs_err": err})
+                print(f"  slots {slots:3d} T {t}: {variant:10s} {us:8.1f} us/layer  floor {floor_us:6.1f} us  "
+                      f"({floor_us / us:5.1%})  err {err:.1e}", flush=True)
+    return rows
+
+
+def print_deltanet_table(rows: list[dict]) -> None:
+    print_variant_table(rows, ("slots", "tokens"), "us_per_layer", "us/layer", "max_abs_err", "max abs err")

@@ -1,0 +1,113 @@
+"""Floors of a decode step: the bytes it must move (over the copy bandwidth measured on the device) and the kernels
+it launches (x the ~5 us each measured on the H200)."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.moe import PackedExperts
+
+LAUNCH_US = 5.0  # measured per-kernel cost of a small step on the H200 (DESIGN.md)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# Instructions that launch nothing: they name, reshape or forward buffers.
+_FREE_OPS = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "opt-barrier"})
+# Instructions whose callees run as part of them (a fusion's computation is one kernel, not its instructions).
+_CONTROL_OPS = frozenset({"while", "conditional", "call"})
+
+
+def copy_bandwidth(gib: float = 2.0, reps: int = 20) -> float:
+    """Bytes/s of one fused elementwise pass (read + write) over a large random bf16 array."""
+    n = int(gib * 2**30 / 2)
+    x = jax.random.normal(jax.random.key(1), (n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.0001 + 0.5)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n * 2 / statistics.median(times)
+
+
+def kernel_ops(hlo_text: str) -> dict[str, int]:
+    """Kernels a compiled (optimised) HLO module launches per execution, by opcode: every instruction of the entry
+    computation that is not free (fusion, custom-call, copy, ...), with the bodies of loops and calls counted once
+    (a loop body runs many times; this counts its kernels once). Instructions inside fused computations are not
+    kernels and are not counted."""
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line[:1].isspace():  # headers start in column 0, instructions are indented
+            current = header.group(2)
+            computations[current] = []
+            if header.group(1):
+                entry = current
+        elif current is not None and line.strip() == "}":
+            current = None
+        elif current is not None:
+            computations[current].append(line)
+    counts: dict[str, int] = {}
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in seen or name not in computations:
+            return
+        seen.add(name)
+        for line in computations[name]:
+            m = _INSTRUCTION.match(line)
+            if not m or m.group(1) in _FREE_OPS or m.group(1).endswith("-done"):  # an async pair is one kernel
+                continue
+            op = m.group(1)
+            if op in _CONTROL_OPS:
+                for callee in re.findall(r"(?:body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line):
+                    visit(callee)
+                for callee in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                    for c in callee.split(","):
+                        visit(c.strip().lstrip("%"))
+                continue
+            counts[op] = counts.get(op, 0) + 1
+
+    if entry is not None:
+        visit(entry)
+    return counts
+
+
+def count_kernels(hlo_text: str) -> int:
+    """Kernel-launching instructions in a compiled module (fusions, custom calls, library calls, loops)."""
+    return sum(kernel_ops(hlo_text).values())
+
+
+def step_bytes(cfg: ModelConfig, model, slots: int, fill: int, tokens_per_slot: int = 1) -> dict[str, float]:
+    """The fewest bytes one step must read (and write, for recurrent state) when it feeds `tokens_per_slot` tokens
+    to each of `slots` slots (1: decode; k+1: a verify window)."""
+    dense = experts_per_layer = expert_layers = 0
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, PackedExperts):
+            expert_layers += 1
+            experts_per_layer = sum(
+                getattr(node, n)[...].nbytes for n in ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
+            )
+        elif isinstance(node, nnx.Param) and "experts" not in str(path) and "embed_tokens" not in str(path):
+            dense += node[...].nbytes
+    per_expert = experts_per_layer / cfg.num_experts
+    distinct = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** (slots * tokens_per_slot))
+    n_attn = cfg.layer_types.count("full_attention")
+    n_lin = cfg.num_layers - n_attn
+    kv_tok = 2 * cfg.num_kv_heads * cfg.head_dim * 2 + (cfg.indexer_head_dim * 2 if cfg.qsa else 0)
+    state = cfg.linear_num_v_heads * cfg.linear_k_dim * cfg.linear_v_dim * 4
+    return {
+        "dense": dense,
+        "experts": expert_layers * distinct * per_expert,
+        "kv": n_attn * slots * fill * kv_tok,
+        "recurrent": 2 * n_lin * slots * state,
+        "embed": slots * tokens_per_slot * cfg.hidden_size * 2,
+    }

@@ -1,0 +1,348 @@
+"""The benchmark command line (`python -m strata_jax.bench`): measurements of the engine against the floors of the device.
+
+Mode `users` (default): the seed system's scenario — N concurrent users streaming a coding prompt, speculation off
+and on, beside the seed system's published figures (strata_jax/bench/users.py). By default on the bundled demo model;
+`--model-dir DIR` benchmarks another checkpoint, `--preset NAME` a synthetic model at real shapes (e.g.
+flash-next-125b, built on the device: no checkpoint needed).
+
+Mode `quant`: for a checkpoint with reference outputs (tests/fixtures/ckpt/*), how 1-4 expert bit-planes change the
+logits and the greedy continuation. Mode `load`: time to quantize a HF checkpoint while loading vs restoring the
+directory `quantize` wrote (on a synthetic HF checkpoint written to a temporary directory).
+Mode `tier`: decode tok/s and the GPU expert pool's hit rate under VRAM budgets that keep all, half or a quarter of
+the experts on the device (the rest computed on the host), uniform vs Zipf routing (strata_jax/bench/tier.py).
+Mode `host`: one MoE layer's host expert work alone, per host kernel (`--host-kernel xla,numpy`), for the
+(tokens, host pairs) of `--host-pairs`; no device involved. Mode `roundtrip`: a host callback's cost per layer
+inside a jitted program, and whether splitting it around the device work pays (strata_jax/bench/host.py).
+Mode `deltanet`: one Gated DeltaNet layer's recurrence (decode and verify token counts) per implementation, against
+the state's read + write at the measured bandwidth (strata_jax/bench/deltanet.py).
+Mode `hyper`: one hyper-connection call (mix, inject weights, folded injection) per implementation, the jnp form
+against the prefolded XLA form and the Pallas kernels of pallas_kernels.hyper_mix (strata_jax/bench/hyper.py).
+Mode `attention`: one decode-attention call per implementation, the jnp form against the Pallas kernel of
+pallas_kernels.decode_attention, beside the filled KV bytes at the measured bandwidth (strata_jax/bench/attention.py).
+Mode `step`: the engine's decode step (one token for every slot) on a synthetic model at
+real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
+host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
+the kernels the compiled step launches (from its HLO) times ~5 us each, and the fraction of the floor reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strata_jax.bench.attention import attention_args, print_attention_table, run_attention
+from strata_jax.bench.deltanet import deltanet_args, print_deltanet_table, run_deltanet
+from strata_jax.bench.hyper import hyper_args, print_hyper_table, run_hyper
+from strata_jax.bench.host import host_args, print_host_table, print_roundtrip_table, run_host_layer, run_roundtrip
+from strata_jax.bench.tier import print_tier_table, run_tier, tier_args
+from strata_jax.bench.users import print_users_table, run_users, users_args
+from strata_jax.demo import DEMO_MODEL
+from strata_jax.model.config import ExpertQuantization
+from strata_jax.engine.runner import _decode, _verify, on_weight_leaves
+from strata_jax.bench.floors import LAUNCH_US, copy_bandwidth, kernel_ops, step_bytes
+from strata_jax.model.cache import ModelCache
+from strata_jax.model.hyper import prefold_hyper_connections
+from strata_jax.bench.synthetic import PRESETS, preset_config, random_cache, synthetic_model
+
+
+def _time_step(fn, state, cache, ins, steps: int) -> tuple[float, float, object]:
+    """(device ms per call over `steps` back-to-back calls, median ms per call when the host reads the first
+    output every call as the engine does, the advanced cache)."""
+
+    def cache_of(out):
+        return next(o for o in out if isinstance(o, ModelCache))
+
+    for _ in range(3):
+        out = fn(state, cache, *ins)
+        cache = cache_of(out)
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = fn(state, cache, *ins)
+        cache = cache_of(out)
+    jax.block_until_ready(cache)
+    device_ms = (time.perf_counter() - t0) / steps * 1e3
+    loop = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = fn(state, cache, *ins)
+        cache = cache_of(out)
+        np.asarray(out[0])  # the engine needs the tokens on the host every step
+        loop.append(time.perf_counter() - t0)
+    return device_ms, statistics.median(loop) * 1e3, cache
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify of k drafts yields when each draft is accepted with probability `acceptance` given the
+    previous one was: the accepted prefix plus the target's own next token."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+def _jit_step(step, graphdef, state, how: str):
+    """A step function jitted with the model's weights passed as the nnx.State pytree (`how="pytree"`) or, as the
+    engine passes them, as its flat list of arrays (`"leaves"`). Returns (jitted function, weights argument)."""
+    if how == "pytree":
+        return jax.jit(functools.partial(step, 0, graphdef), donate_argnums=(1,)), state
+    treedef = jax.tree_util.tree_structure(state)
+    return jax.jit(on_weight_leaves(step, 0, graphdef, treedef), donate_argnums=(1,)), jax.tree_util.tree_leaves(state)
+
+
+def run_step_bench(args) -> list[dict]:
+    cfg = preset_config(args.preset)
+    quant = ExpertQuantization(planes=args.planes, group=args.group, impl=args.impl)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    bw = copy_bandwidth(args.bandwidth_gib)
+    print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s", flush=True)
+    t = time.monotonic()
+    model = synthetic_model(cfg, jnp.bfloat16, quant)
+    if args.hyper_prefold:
+        print(f"hyper-connections prefolded: {prefold_hyper_connections(model)}", flush=True)
+    graphdef, state = nnx.split(model)
+    jax.block_until_ready(state)
+    print(f"synthetic {args.preset}: {sum(x.nbytes for x in jax.tree_util.tree_leaves(state)) / 2**30:.1f} GiB "
+          f"on device in {time.monotonic() - t:.0f}s", flush=True)
+    decode, weights = _jit_step(_decode, graphdef, state, args.state_args)
+    verify, _ = _jit_step(_verify, graphdef, state, args.state_args)
+    window = args.draft_k + 1
+
+    def sampling(s):
+        z = jnp.zeros(s)
+        return (z, z.astype(jnp.int32), z + 1, z.astype(jnp.uint32))
+
+    def inputs(kind, s):
+        rng = np.random.default_rng(s)
+        if kind == "decode":
+            return (jnp.asarray(rng.integers(0, cfg.vocab_size, s), jnp.int32), jnp.ones(s, bool), (), *sampling(s))
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (s, window)), jnp.int32)
+        return (tokens, jnp.full((s,), window, jnp.int32), (), *sampling(s))
+
+    def compile_one(job):
+        kind, s = job
+        cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, jnp.bfloat16))
+        t0 = time.monotonic()
+        fn = decode if kind == "decode" else verify
+        compiled = fn.lower(weights, cache, *inputs(kind, s)).compile()
+        print(f"compiled {kind}[{s}] in {time.monotonic() - t0:.0f}s", flush=True)
+        return job, compiled, time.monotonic() - t0
+
+    jobs = [("decode", s) for s in args.slots] + [("verify", s) for s in args.verify_slots]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        compiled = {job: (c, dt) for job, c, dt in pool.map(compile_one, jobs)}
+    rows, decode_ms = [], {}
+    for kind, s in jobs:
+        fn, compile_s = compiled[(kind, s)]
+        hlo = fn.as_text()
+        ops = kernel_ops(hlo)
+        kernels = sum(ops.values())
+        if args.dump_hlo:
+            os.makedirs(args.dump_hlo, exist_ok=True)
+            with open(os.path.join(args.dump_hlo, f"{kind}_{s}.hlo.txt"), "w") as f:
+                f.write(hlo)
+        cache = random_cache(cfg, s, args.ctx, args.fill, jnp.bfloat16)
+        device_ms, loop_ms, cache = _time_step(fn, weights, cache, inputs(kind, s), args.steps)
+        if args.profile:  # a few more steps under the profiler, as a Perfetto trace (kernel names = HLO fusions)
+            ins = inputs(kind, s)
+            with jax.profiler.trace(os.path.join(args.profile, f"{kind}_{s}"), create_perfetto_trace=True):
+                for _ in range(2):  # bench_profile's default --steps
+                    cache = next(o for o in fn(weights, cache, *ins) if isinstance(o, ModelCache))
+                jax.block_until_ready(cache)
+        del cache
+        per_slot = 1 if kind == "decode" else window
+        parts = step_bytes(cfg, model, s, args.fill, tokens_per_slot=per_slot)
+        total = sum(parts.values())
+        mem_ms = total / bw * 1e3
+        launch_ms = kernels * LAUNCH_US / 1e3
+        floor_ms = max(mem_ms, launch_ms)
+        row = {
+            "kind": kind, "slots": s, "tokens_per_slot": per_slot, "device_ms": device_ms, "loop_ms": loop_ms,
+            "tok_s": s / loop_ms * 1e3, "bytes_gb": total / 1e9, "bytes": parts, "mem_floor_ms": mem_ms,
+            "kernels": kernels, "kernels_by_op": ops, "launch_floor_ms": launch_ms, "floor_ms": floor_ms,
+            "fraction_of_floor": floor_ms / device_ms, "compile_s": compile_s,
+        }
+        if kind == "decode":
+            decode_ms[s] = loop_ms
+        elif s in decode_ms:
+            row["verify_over_decode"] = loop_ms / decode_ms[s]
+            row["tok_s_at_acceptance"] = {
+                str(a): s * expected_tokens(a, args.draft_k) / loop_ms * 1e3 for a in (0.5, 0.75, 0.9)
+            }
+        rows.append(row)
+        print(f"{kind}[{s}]: {device_ms:.2f} ms/call device, {loop_ms:.2f} ms with host sync, "
+              f"{kernels} kernels", flush=True)
+        if args.json:
+            _write_json(args.json, [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows])
+    return [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows]
+
+
+def run_quant_effect(args) -> list[dict]:
+    """Logit error, top-1 agreement and greedy agreement per plane count against the checkpoint's reference."""
+    from pathlib import Path
+
+    from strata_jax.loaded_model import load_model
+
+    ref = dict(np.load(Path(args.model) / "reference.npz"))
+    rows = []
+    for planes in (0, 1, 2, 3, 4):
+        quant = {} if planes == 0 else {"quantize": "1bit", "planes": planes, "group": args.group}
+        m = load_model(args.model, **quant)
+        logits = m.logits(ref["input_ids"])
+        greedy = m.generate([int(t) for t in ref["prompt"][0]], 16, stop_at_eos=False)
+        want = [int(t) for t in ref["greedy"]]
+        match = next((i for i, (a, b) in enumerate(zip(greedy, want)) if a != b), len(want))
+        rows.append({
+            "planes": planes or "dense",
+            "logit_rel_err": float(np.abs(logits - ref["logits"]).max() / np.abs(ref["logits"]).max()),
+            "top1_agree": float(np.mean(logits.argmax(-1) == ref["logits"].argmax(-1))),
+            "greedy_prefix_match": match,
+        })
+        print(rows[-1], flush=True)
+    return rows
+
+
+def run_load_times(args) -> list[dict]:
+    """Seconds to load with quantize-on-load vs to restore a converted directory, on a synthetic checkpoint."""
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from strata_jax.loaded_model import load_model
+    from strata_jax.weights.convert import convert_checkpoint
+
+    raw = {**PRESETS["tiny"], "hidden_size": 512, "num_hidden_layers": 8, "num_experts": 128,
+           "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
+    cfg = preset_config("tiny").__class__.from_hf_dict(raw)
+    model = synthetic_model(cfg, jnp.float32)
+    tensors = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            name = ".".join(str(p) for p in path)
+            tensors[name] = np.asarray(node[...], np.float32)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "hf", Path(tmp) / "q"
+        src.mkdir()
+        save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+        (src / "config.json").write_text(json.dumps(raw))
+        size = (src / "model.safetensors").stat().st_size
+        t = time.perf_counter()
+        load_model(src, dtype="bfloat16", quantize="1bit", planes=args.planes, group=args.group)
+        on_load = time.perf_counter() - t
+        t = time.perf_counter()
+        convert_checkpoint(src, out, planes=args.planes, group=args.group)
+        convert = time.perf_counter() - t
+        t = time.perf_counter()
+        load_model(out, dtype="bfloat16")
+        restore = time.perf_counter() - t
+        rows.append({"checkpoint_mb": size / 1e6, "planes": args.planes, "quantize_on_load_s": on_load,
+                     "convert_s": convert, "restore_converted_s": restore})
+    print(rows[-1], flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| step | slots | ms (device) | ms (+host sync) | tok/s | GB read | mem floor ms | kernels "
+          "| launch floor ms | floor / time | verify / decode | tok/s at 50/75/90% acceptance |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['verify_over_decode']:.2f}x" if "verify_over_decode" in r else "-"
+        acc = " / ".join(f"{v:.0f}" for v in r["tok_s_at_acceptance"].values()) if "tok_s_at_acceptance" in r else "-"
+        name = r["kind"] if r["kind"] == "decode" else f"verify[{r['tokens_per_slot']}]"
+        print(f"| {name} | {r['slots']} | {r['device_ms']:.2f} | {r['loop_ms']:.2f} | {r['tok_s']:.0f} "
+              f"| {r['bytes_gb']:.2f} | {r['mem_floor_ms']:.2f} | {r['kernels']} | {r['launch_floor_ms']:.2f} "
+              f"| {r['fraction_of_floor']:.0%} | {ratio} | {acc} |")
+
+
+def _write_json(path: str, rows: list[dict]) -> None:
+    meta = {"date": datetime.date.today().isoformat(), "argv": sys.argv, "device": jax.devices()[0].device_kind}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
+                                       "hyper", "attention"],
+                   default="users",
+                   help="what to measure (default: users, the seed system's scenario)")
+    p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="synthetic model shapes (step/tier modes: default flash-next-125b; users mode: benchmark "
+                        "a synthetic model instead of the bundled demo)")
+    p.add_argument("--slots", default="1,4,8,16,32", help="comma-separated slot counts")
+    p.add_argument("--ctx", type=int, default=4096, help="context per slot (KV cache length)")
+    p.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--verify-slots", default="1,4,8",
+                   help="step mode: slot counts for which a verify call of draft-k+1 tokens is timed too ('' = none)")
+    p.add_argument("--planes", type=int, default=1, help="expert bit-planes")
+    p.add_argument("--group", type=int, default=128, help="inputs per expert scale")
+    p.add_argument("--impl", default="auto", help="expert kernel: auto | pallas | xla | reference")
+    p.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the bandwidth probe")
+    p.add_argument("--json", help="write the rows as JSON here")
+    p.add_argument("--state-args", choices=["leaves", "pytree"], default="leaves",
+                   help="step mode: pass the weights as a flat list of arrays (default, as the engine does) or as "
+                        "the nnx.State pytree (to measure what flattening it on every call costs)")
+    p.add_argument("--profile", metavar="DIR", help="step mode: trace a few steps of each row into DIR (Perfetto)")
+    p.add_argument("--dump-hlo", metavar="DIR", help="step mode: write each compiled step's HLO text into DIR")
+    p.add_argument("--hyper-prefold", action="store_true",
+                   help="step mode: run every hyper-connection as prefold_mix (strata_jax.model.hyper), an "
+                        "experiment that is off by default (no gain in the step: docs/PERF.md)")
+    users_args(p)
+    tier_args(p)
+    host_args(p)
+    deltanet_args(p)
+    hyper_args(p)
+    attention_args(p)
+    args = p.parse_args(argv)
+    if args.mode == "users" and args.model_dir is None and args.preset is None:
+        args.model_dir = str(DEMO_MODEL)
+    args.preset = args.preset or "flash-next-125b"
+    args.slots = [int(s) for s in args.slots.split(",")]
+    args.verify_slots = [int(s) for s in args.verify_slots.split(",") if s]
+    args.users = [int(u) for u in args.users.split(",")]
+    if args.mode == "users":
+        rows = run_users(args)
+        print_users_table(rows)
+    elif args.mode == "quant":
+        rows = run_quant_effect(args)
+    elif args.mode == "load":
+        rows = run_load_times(args)
+    elif args.mode == "tier":  # the host expert tier under VRAM budgets (strata_jax/bench/tier.py)
+        rows = run_tier(args)
+        print_tier_table(rows)
+    elif args.mode == "host":  # one layer's host experts alone, per host kernel (strata_jax/bench/host.py)
+        rows = run_host_layer(args)
+        print_host_table(rows)
+    elif args.mode == "roundtrip":  # host callbacks inside a jitted program: serial vs split
+        rows = run_roundtrip(args)
+        print_roundtrip_table(rows)
+    elif args.mode == "deltanet":  # the Gated DeltaNet recurrence alone, per implementation
+        rows = run_deltanet(args)
+        print_deltanet_table(rows)
+    elif args.mode == "hyper":  # one hyper-connection call, jnp vs prefold vs the Pallas kernels
+        rows = run_hyper(args)
+        print_hyper_table(rows)
+    elif args.mode == "attention":  # one decode-attention call, jnp vs the Pallas kernel
+        rows = run_attention(args)
+        print_attention_table(rows)
+    else:
+        rows = run_step_bench(args)
+        print_table(rows)
+    if args.json:
+        _write_json(args.json, rows)
+    return 0
+

@@ -1,0 +1,219 @@
+"""The seed system's scenario (`python -m strata_jax.bench --mode users`): N concurrent users each stream a coding
+prompt through the engine; per-user decode tok/s, aggregate tok/s, time to first token p50/p95 and the drafter's
+acceptance rate, with speculation off and on, beside the seed system's published figures (RTX 5090)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strata_jax.loaded_model import LoadedModel, load_model
+from strata_jax.bench.tier import set_routing
+from strata_jax.model.config import ExpertQuantization
+from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from strata_jax.bench.floors import copy_bandwidth, step_bytes
+from strata_jax.model.moe import add_routing_bias
+from strata_jax.bench.synthetic import preset_config, synthetic_model
+
+# Strata, RTX 5090, 256K context (DESIGN.md): users -> (per-user tok/s, aggregate tok/s, TTFT).
+SEED = {1: (144.0, 144.0, "< 2 s"), 4: (38.0, 125.0, "2-8 s"), 8: (19.0, 130.0, "2-8 s")}
+
+_CODE = '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+'''
+
+
+def bench_model(args) -> LoadedModel:
+    """The checkpoint given by --model, or a synthetic model at --preset shapes (no tokenizer). With
+    --vram-budget-mib, the planner (for the largest --users count) decides the device expert pool."""
+    gpu_experts = _planned_pool(args)
+    if args.model_dir:
+        if args.routing != "uniform":
+            raise ValueError("--routing zipf needs a synthetic model (--preset)")
+        quant = {"quantize": "1bit", "planes": args.planes, "group": args.group} if args.planes else {}
+        return load_model(args.model_dir, dtype=args.dtype, gpu_experts=gpu_experts, **quant)
+    cfg = preset_config(args.preset)
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    quant = ExpertQuantization(planes=args.planes or 1, group=args.group, impl=args.impl, gpu_experts=gpu_experts)
+    model = synthetic_model(cfg, dtype, quant)
+    if args.routing != "uniform":
+        add_routing_bias(model)
+    loaded = LoadedModel(Path(f"synthetic:{args.preset}"), cfg, model, dtype, [], None)
+    set_routing(loaded.state, args.routing, args.zipf_s)
+    return loaded
+
+
+def _planned_pool(args) -> int | None:
+    """Experts per MoE layer on the device: --gpu-experts, else planned under --vram-budget-mib (None: all)."""
+    if args.gpu_experts is not None:
+        return args.gpu_experts
+    if args.vram_budget_mib is None:
+        return None
+    from strata_jax.model.config import load_config
+    from strata_jax.engine.planner import device_memory, format_plan, make_plan
+
+    cfg = load_config(args.model_dir) if args.model_dir else preset_config(args.preset)
+    quant = ExpertQuantization(planes=args.planes or 1, group=args.group)
+    engine = EngineConfig(slots=max(args.users), max_context=args.prompt_tokens + args.gen_tokens + 16)
+    plan = make_plan(cfg, quant, engine, weights_dtype=args.dtype, vram_budget_mib=args.vram_budget_mib,
+                     vram_reserve_mib=args.vram_reserve_mib, device=device_memory())
+    print(format_plan(plan), flush=True)
+    if not plan.fits:
+        raise ValueError(plan.message)
+    return plan.gpu_experts
+
+
+def user_prompts(model: LoadedModel, users: int, tokens: int) -> list[tuple[int, ...]]:
+    """Distinct coding prompts of `tokens` tokens (chat-formatted code when the model has a tokenizer)."""
+    out = []
+    rng = np.random.default_rng(0)
+    for u in range(users):
+        if model.tokenizer is not None:
+            msg = f"User {u}: here is my code.\n\n{_CODE * 40}\nAdd type hints and a docstring to every function."
+            ids = model.tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=True)
+            ids = list(ids)[-tokens:]
+        else:
+            ids = [int(x) for x in rng.integers(0, model.config.vocab_size, tokens)]
+        out.append(tuple(ids))
+    return out
+
+
+async def _one(engine: Engine, prompt, gen_tokens: int):
+    started = time.perf_counter()
+    stream = await engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=gen_tokens, ignore_eos=True)))
+    first, count, last = None, 0, None
+    async for ev in stream:
+        if ev.token_id is not None:
+            count += 1
+            first = first or time.perf_counter()
+        last = ev
+    end = time.perf_counter()
+    return {
+        "ttft": first - started,
+        "decode_tok_s": (count - 1) / (end - first) if count > 1 else 0.0,
+        "tokens": count,
+        "drafted": last.draft_tokens,
+        "accepted": last.accepted_draft_tokens,
+    }
+
+
+def _draft_model(directory: str, model: LoadedModel, config: EngineConfig, args):
+    """The drafter for `--draft DIR`: a small checkpoint with the target's tokenizer (no PLE)."""
+    from strata_jax.engine.draft_model import DraftModelDrafter
+
+    if not Path(directory).is_dir():
+        raise ValueError(f"--draft {directory}: not none/ngram/mtp and not a checkpoint directory")
+    draft = load_model(directory, dtype=args.dtype)
+    return DraftModelDrafter(draft, config, model.config.vocab_size)
+
+
+def run_users(args) -> list[dict]:
+    model = bench_model(args)
+    ctx = args.prompt_tokens + args.gen_tokens + 16
+    bandwidth = copy_bandwidth(args.bandwidth_gib)
+    net = nnx.merge(model.graphdef, model.state)
+    rows = []
+    drafts = ["none"] if args.draft == "none" else ["none", args.draft]
+    for draft in drafts:
+        for users in args.users:
+            builtin = draft in ("none", "ngram", "mtp")
+            config = EngineConfig(slots=users, max_context=ctx, prefill_chunks=args.prefill_chunks, prefix_cache_mib=0,
+                                  draft=draft if builtin else "none", draft_k=args.draft_k,
+                                  overlap_steps=not args.no_overlap)
+            engine = Engine(model, config, drafter=None if builtin else _draft_model(draft, model, config, args))
+            engine.start()
+            try:
+                prompts = user_prompts(model, users, args.prompt_tokens)
+
+                async def all_users():
+                    return await asyncio.gather(*[_one(engine, p, args.gen_tokens) for p in prompts])
+
+                started = time.perf_counter()
+                results = asyncio.run(all_users())
+                wall = time.perf_counter() - started
+                stats = engine.stats()
+            finally:
+                engine.shutdown()
+            ttfts = sorted(r["ttft"] for r in results)
+            # The floor of one decode step at this many slots, half-way through the answers.
+            floor_ms = sum(step_bytes(model.config, net, users, args.prompt_tokens + args.gen_tokens // 2).values())
+            floor_ms = floor_ms / bandwidth * 1e3
+            drafted = sum(r["drafted"] for r in results)
+            row = {
+                "model": str(model.path), "users": users, "speculation": draft,
+                "per_user_tok_s": statistics.mean(r["decode_tok_s"] for r in results),
+                "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
+                "ttft_p50_s": ttfts[len(ttfts) // 2],
+                "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))],
+                "acceptance": sum(r["accepted"] for r in results) / drafted if drafted else None,
+                "step_floor_ms": floor_ms,
+                # Floor over the time each user waits per token (speculation can beat a one-token floor).
+                "fraction_of_floor": floor_ms / (1e3 / statistics.mean(r["decode_tok_s"] for r in results)),
+                "seed_per_user_tok_s": SEED.get(users, (None,) * 3)[0],
+                "seed_aggregate_tok_s": SEED.get(users, (None,) * 3)[1],
+                "seed_ttft": SEED.get(users, (None,) * 3)[2],
+                "gpu_hit_rate": stats.get("expert_gpu_hit_rate", 1.0),
+                "routing": args.routing,
+            }
+            rows.append(row)
+            print(f"users {users}, speculation {draft}: {row['per_user_tok_s']:.1f} tok/s per user, "
+                  f"{row['aggregate_tok_s']:.1f} aggregate, TTFT p50 {row['ttft_p50_s']:.2f} s, "
+                  f"GPU expert hit rate {row['gpu_hit_rate']:.1%}", flush=True)
+    return rows
+
+
+def print_users_table(rows: list[dict]) -> None:
+    print("\n| users | speculation | tok/s per user (seed) | aggregate tok/s (seed) | TTFT p50 / p95 s (seed) "
+          "| acceptance | step floor ms | floor / time per token | GPU expert hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        seed_u = "-" if r["seed_per_user_tok_s"] is None else f"{r['seed_per_user_tok_s']:.0f}"
+        seed_a = "-" if r["seed_aggregate_tok_s"] is None else f"{r['seed_aggregate_tok_s']:.0f}"
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        print(f"| {r['users']} | {r['speculation']} | {r['per_user_tok_s']:.1f} ({seed_u}) "
+              f"| {r['aggregate_tok_s']:.1f} ({seed_a}) | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} "
+              f"({r['seed_ttft'] or '-'}) | {acc} | {r['step_floor_ms']:.3f} | {r['fraction_of_floor']:.0%} "
+              f"| {r['gpu_hit_rate']:.1%} |")
+
+
+def users_args(p) -> None:
+    """Adds the users-scenario flags to the bench's parser."""
+    p.add_argument("--model-dir", default=None,
+                   help="checkpoint for --mode users (default: the bundled demo model; with --preset, a synthetic one)")
+    p.add_argument("--users", default="1,4,8", help="comma-separated concurrent user counts (default 1,4,8)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens per user")
+    p.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per user")
+    p.add_argument("--draft", default="ngram",
+                   help="drafter for the speculation-on rows: none, ngram (default), mtp, or a draft model's "
+                        "checkpoint DIR (same tokenizer, no PLE; e.g. from `python -m strata_jax.weights.layer_draft`)")
+    p.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read every decode step's tokens back before launching the next (EngineConfig.overlap_steps "
+                        "off), to measure what overlapping buys")
+    p.add_argument("--prefill-chunks", default="64,256",
+                   type=lambda v: tuple(int(c) for c in v.split(",")),
+                   help="the engine's prefill chunk sizes (each is one compiled function; default 64,256)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--vram-budget-mib", type=int, default=None,
+                   help="users mode: plan the device expert pool for a card of this size (the other experts run "
+                   "on the host); default: every expert on the device")
+    p.add_argument("--vram-reserve-mib", type=int, default=1536, help="the planner's reserve (default 1536)")
+    p.add_argument("--gpu-experts", type=int, default=None,
+                   help="users mode: experts per MoE layer on the device, overriding the planner (experiments)")
+    p.add_argument("--routing", default="uniform",
+                   help="synthetic routing: uniform or zipf (users mode); tier mode takes a list, e.g. uniform,zipf")
+    p.add_argument("--zipf-s", type=float, default=0.6,
+                   help="Zipf exponent of --routing zipf (0.6: the top quarter of 512 experts get ~78%% of pairs)")

@@ -1,0 +1,199 @@
+"""The benchmark entry points run end to end on tiny shapes (no timings are asserted: benchmarks live in bench)."""
+
+import json
+import re
+
+import pytest
+
+from strata_jax.bench.main import main
+
+
+def test_step_mode_runs(tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["--mode", "step", "--preset", "tiny", "--slots", "1", "--ctx", "64", "--fill", "32", "--steps", "1",
+                 "--verify-slots", "1", "--draft-k", "3", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    decode, verify = json.loads(out.read_text())["rows"]
+    assert decode["kind"] == "decode" and decode["slots"] == 1 and decode["kernels"] > 0 and decode["device_ms"] > 0
+    assert verify["kind"] == "verify" and verify["tokens_per_slot"] == 4
+    # A 4-token window routes to more experts than one token: the floor must count them.
+    assert verify["bytes"]["experts"] > decode["bytes"]["experts"]
+    assert verify["verify_over_decode"] > 0
+    rates = verify["tok_s_at_acceptance"]
+    assert rates["0.9"] > rates["0.5"] > verify["tok_s"]
+
+
+def test_step_mode_runs_with_prefolded_hyper_connections(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["--mode", "step", "--preset", "tiny", "--slots", "2", "--ctx", "64", "--fill", "32", "--steps", "1",
+                 "--verify-slots", "", "--hyper-prefold", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    folded = re.search(r"hyper-connections prefolded: (\d+)", capsys.readouterr().out)
+    assert folded and int(folded[1]) > 0
+    (decode,) = json.loads(out.read_text())["rows"]
+    assert decode["slots"] == 2 and decode["device_ms"] > 0 and decode["bytes"]["dense"] > 0
+
+
+def test_deltanet_mode_runs(tmp_path):
+    out = tmp_path / "deltanet.json"
+    assert main(["--mode", "deltanet", "--preset", "tiny", "--slots", "2", "--deltanet-tokens", "1,3",
+                 "--deltanet-variants", "jnp,bv16_w4", "--deltanet-iters", "2", "--steps", "1", "--bandwidth-gib",
+                 "0.01", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [(1, "jnp"), (1, "bv16_w4"), (3, "jnp"), (3, "bv16_w4")]
+    # The kernel (interpret mode here) computes what the jnp scan does, and the floor counts the state both ways.
+    assert all(r["max_abs_err"] < 1e-4 and r["floor_us"] > 0 for r in rows)
+
+
+def test_hyper_mode_runs(tmp_path):
+    out = tmp_path / "hyper.json"
+    assert main(["--mode", "hyper", "--preset", "tiny", "--hyper-tokens", "1,3", "--hyper-variants",
+                 "jnp,prefold,k32_w4", "--hyper-iters", "2", "--steps", "1", "--bandwidth-gib", "0.01",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [
+        (t, v) for t in (1, 3) for v in ("jnp", "prefold", "k32_w4")]
+    # The kernels (interpret mode here) and the prefolded XLA form compute what the jnp form does, through two
+    # chained calls in bf16.
+    assert all(r["max_rel_diff"] < 3e-2 and r["floor_us"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="k<N>_w<W>"):
+        main(["--mode", "hyper", "--preset", "tiny", "--hyper-variants", "jnp,w4_k32"])
+
+
+def test_users_mode_runs(tmp_path):
+    out = tmp_path / "users.json"
+    assert main(["--mode", "users", "--preset", "tiny", "--dtype", "float32", "--users", "2", "--prompt-tokens", "16",
+                 "--gen-tokens", "4", "--draft", "ngram", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["users"], r["speculation"]) for r in rows] == [(2, "none"), (2, "ngram")]
+    assert all(r["aggregate_tok_s"] > 0 and r["ttft_p95_s"] >= r["ttft_p50_s"] for r in rows)
+
+
+def test_profile_summary_by_component(tmp_path):
+    """A traced tiny step: kernel time adds up per decoder component through the HLO's named scopes."""
+    from strata_jax.bench.profile import main as profile_main
+    from strata_jax.bench.profile import summarize
+
+    prof, hlo = tmp_path / "prof", tmp_path / "hlo"
+    assert main(["--mode", "step", "--preset", "tiny", "--slots", "1", "--verify-slots", "", "--ctx", "64",
+                 "--fill", "32", "--steps", "1", "--bandwidth-gib", "0.01", "--profile", str(prof),
+                 "--dump-hlo", str(hlo)]) == 0
+    (trace,) = prof.glob("decode_1/**/perfetto_trace.json.gz")
+    import gzip
+
+    rows = summarize(json.load(gzip.open(trace, "rt")), (hlo / "decode_1.hlo.txt").read_text(), steps=2)
+    names = {r[0] for r in rows}
+    # The tiny preset has Gated DeltaNet and attention layers with hyper-connections and MoE.
+    assert {"linear_layer/mixer", "attention_layer/mixer", "linear_layer/mlp", "linear_layer/hyper"} <= names
+    assert all(n > 0 and us >= 0 for _, n, us in rows)
+    assert profile_main([str(trace), str(hlo / "decode_1.hlo.txt")]) == 0
+
+
+def test_users_mode_defaults_to_the_demo_model(tmp_path):
+    from pathlib import Path
+
+    from strata_jax.demo import DEMO_MODEL
+
+    """Without --model-dir or --preset the users scenario runs the bundled demo (a real tokenizer: chat prompts)."""
+    out = tmp_path / "users.json"
+    assert main(["--mode", "users", "--planes", "0", "--dtype", "float32", "--users", "1", "--prompt-tokens", "32",
+                 "--gen-tokens", "3", "--draft", "none", "--prefill-chunks", "32", "--bandwidth-gib", "0.01",
+                 "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert Path(row["model"]) == DEMO_MODEL
+    assert row["aggregate_tok_s"] > 0
+
+
+def test_kernel_count_reads_the_entry_computation():
+    """Instructions inside fused computations are not launches; loop bodies count once; an async pair is one."""
+    from strata_jax.bench.floors import count_kernels, kernel_ops
+
+    hlo = """HloModule m
+
+%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %m = f32[4]{0} multiply(%p0, %p1)
+  %d = f32[4]{0} dot(%m, %p1), lhs_contracting_dims={}, rhs_contracting_dims={}
+  %r = f32[4]{0} reduce(%d, %p1), dimensions={}, to_apply=%fused_add
+  ROOT %a = f32[4]{0} add(%r, %p1)
+}
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %f = f32[4]{0} fusion(%x, %x), kind=kLoop, calls=%fused_add
+  %i = s32[] get-tuple-element(%s), index=0
+  ROOT %t = (s32[], f32[4]) tuple(%i, %f)
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]) parameter(0)
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY %main (a: f32[4], /*index=1*/b: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %f1 = f32[4]{0} fusion(%a, %b), kind=kLoop, calls=%fused_add
+  %cc = f32[4]{0} custom-call(%f1), custom_call_target="__gpu$xla.gpu.triton"
+  %st = ((f32[4]), f32[4]) fusion-start(%cc), calls=%fused_add
+  %dn = f32[4]{0} fusion-done(%st)
+  %z = s32[] constant(0)
+  %tup = (s32[], f32[4]) tuple(%z, %dn)
+  %w = (s32[], f32[4]) while(%tup), condition=%cond, body=%body
+  ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+    assert kernel_ops(hlo) == {"fusion": 2, "custom-call": 1, "fusion-start": 1}
+    assert count_kernels(hlo) == 4
+
+
+def test_profile_maps_command_buffer_kernels_by_name():
+    """On a GPU, kernels inside a command buffer carry the buffer as hlo_op; their own name names the instruction."""
+    from strata_jax.bench.profile import summarize
+
+    hlo = "\n".join([
+        '  %loop_add_fusion.85 = f32[4]{0} fusion(%p), kind=kLoop, calls=%c1, '
+        'metadata={op_name="jit(run)/linear_layer/mixer/add"}',
+        '  %gemm_fusion_dot.7 = bf16[4,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%c2, '
+        'metadata={op_name="jit(run)/attention_layer/mlp/dot_general"}',
+    ])
+    gpu = {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}}
+    host = {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/host:CPU"}}
+
+    def kernel(name, dur):
+        return {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": dur, "name": name, "args": {"hlo_op": "command_buffer_1"}}
+
+    events = [gpu, host, kernel("loop_add_fusion_85", 3.0), kernel("gemm_fusion_dot_7", 5.0),
+              kernel("gemm_fusion_dot_7", 5.0), kernel("_gate_up_kernel", 20.0),
+              {"ph": "X", "pid": 7, "tid": 2, "ts": 0, "dur": 99.0, "name": "python", "args": {}}]
+    rows = {name: (n, us) for name, n, us in summarize({"traceEvents": events}, hlo, steps=1)}
+    assert rows == {"linear_layer/mixer": (1, 3.0), "attention_layer/mlp": (2, 10.0),
+                    "other: _gate_up_kernel": (1, 20.0)}
+    by_kernel = {name: (n, us) for name, n, us in summarize({"traceEvents": events}, None, steps=1)}
+    assert by_kernel == {"loop_add_fusion": (1, 3.0), "gemm_fusion_dot": (2, 10.0), "_gate_up_kernel": (1, 20.0)}
+    # --gemms: the matrix products alone, by output shape and op (the jit prefix dropped)
+    from strata_jax.bench.profile import gemm_rows
+
+    assert gemm_rows({"traceEvents": events}, hlo, steps=2) == [("bf16[4,8]", "attention_layer/mlp/dot_general", 1,
+                                                                  5.0)]
+
+
+def test_attention_mode_runs(tmp_path):
+    out = tmp_path / "attention.json"
+    assert main(["--mode", "attention", "--preset", "tiny", "--slots", "2", "--ctx", "128", "--fill", "40",
+                 "--attn-tokens", "1,3", "--attn-variants", "jnp,pallas,s4_k16_w4", "--attn-iters", "2", "--steps",
+                 "1", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["slots"], r["tokens"], r["variant"]) for r in rows] == [
+        (2, t, v) for t in (1, 3) for v in ("jnp", "pallas", "s4_k16_w4")]
+    # The kernel (interpret mode here) computes what the jnp form does, through two chained calls in bf16.
+    assert all(r["us_per_call"] > 0 and r["floor_us"] > 0 and r["max_rel_diff"] < 2e-2 for r in rows)
+
+
+def test_attention_mode_rejects_bad_variants():
+    with pytest.raises(SystemExit, match="s<splits>_k<block_k>_w<warps>"):
+        main(["--mode", "attention", "--preset", "tiny", "--attn-variants", "jnp,k64_w4"])
+    # A block that does not divide the cache is refused before any timing too.
+    with pytest.raises(SystemExit, match="block_k"):
+        main(["--mode", "attention", "--preset", "tiny", "--slots", "1", "--ctx", "96", "--fill", "40",
+              "--attn-variants", "jnp,s4_k64_w4"])
