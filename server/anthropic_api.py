@@ -19,11 +19,11 @@ from server.anthropic_request import MessagesRequest, parse_messages_request
 from server.anthropic_stream import MessageBuilder, SseEvent, random_id
 from server.errors import ApiError, anthropic_error_body
 from server.generation import ClientGone, EngineRun
-from server.prompt import RenderedPrompt, clamp_max_tokens, render_prompt
+from server.prompt import RenderedPrompt, clamp_max_tokens, engine_top_k, render_prompt
 from server.sse import send_events, start_sse
 from server.state import REQUEST_ID, STATE, ServerState
 from server.toolcalls import OutputParser
-from server.validation import read_json_object
+from server.body import read_request_json
 
 log = logging.getLogger("strata.server")
 
@@ -38,7 +38,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens -> {"input_tokens": N}."""
     state = request.app[STATE]
     state.require_ready()
-    req = parse_messages_request(await read_json_object(request, state.max_body_bytes), count_only=True)
+    req = parse_messages_request(await read_request_json(request, state), count_only=True)
     rendered = await _render(state, req)
     return web.json_response({"input_tokens": len(rendered.ids)})
 
@@ -108,13 +108,13 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     state = request.app[STATE]
     engine, tokenizer = state.require_ready()
-    req = parse_messages_request(await read_json_object(request, state.max_body_bytes))
+    req = parse_messages_request(await read_request_json(request, state))
     rendered = await _render(state, req)
     sampling = SamplingParams(
         max_tokens=clamp_max_tokens(max(req.max_tokens or 0, 1), len(rendered.ids), state.context_length),
         temperature=req.temperature,
         top_p=req.top_p,
-        top_k=req.top_k,
+        top_k=engine_top_k(req.top_k, tokenizer.vocab_size),
         stop_strings=req.stop_sequences,
     )
     gen = GenerationRequest(prompt_ids=tuple(rendered.ids), sampling=sampling, request_id=request[REQUEST_ID])

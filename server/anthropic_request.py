@@ -14,6 +14,8 @@ from typing import Any
 from server.errors import invalid_request
 from server.prompt import ChatPrompt, append_user_note, tool_choice_note
 from server.validation import (
+    INT32_MAX,
+    check_tool_schema,
     expect_dict,
     get_bool,
     get_dict,
@@ -74,6 +76,7 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
 
     thinking = get_dict(body, "thinking") or {}
     thinking_on = thinking.get("type") in ("enabled", "adaptive")
+    get_int(thinking, "budget_tokens", None, minimum=0, path="thinking.")  # read nowhere, but bounded like the rest
     prompt = ChatPrompt(
         messages=messages,
         tools=tools or None,
@@ -87,11 +90,11 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
     return MessagesRequest(
         model=model,
         prompt=prompt,
-        max_tokens=get_int(body, "max_tokens", minimum=0),
+        max_tokens=get_int(body, "max_tokens", minimum=0, maximum=INT32_MAX),
         stream=get_bool(body, "stream", False),
         temperature=get_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
         top_p=get_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0),
-        top_k=get_int(body, "top_k", 0, minimum=0),
+        top_k=get_int(body, "top_k", 0, minimum=0, maximum=INT32_MAX),
         stop_sequences=get_stop_strings(body, "stop_sequences"),
         show_thinking=thinking_on,
     )
@@ -223,6 +226,7 @@ def _convert_tools(raw_tools: list[Any]) -> tuple[list[dict[str, Any]], dict[str
         if not isinstance(schema, dict):
             continue  # a server tool (web_search_20250305, ...): nothing local can run it
         name = get_str(tool, "name", path=f"tools.{i}.")
+        check_tool_schema(schema, f"tools.{i}.input_schema")
         function: dict[str, Any] = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]

@@ -27,6 +27,7 @@ from server.auth import auth_middleware
 from server.errors import ApiError, error_response, is_openai_request
 from server.generation import ClientGone
 from server.state import REQUEST_ID, STATE, ServerState
+from server.body import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S
 
 log = logging.getLogger("strata.server")
 
@@ -43,7 +44,8 @@ _HTTP_ERROR_MESSAGES = {
 
 def create_app(engine: EngineProtocol | None, tokenizer: Tokenizer | None, *, served_name: str,
                api_key: str | None, context_length: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               ping_interval_s: float = 10.0) -> web.Application:
+               ping_interval_s: float = 10.0, body_idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
+               body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S) -> web.Application:
     """The server application. `engine`/`tokenizer` may be None while the model loads (then /health is 503 and API
     calls get 529 overloaded errors); install them with `install_engine` when loading finishes."""
     state = ServerState(
@@ -52,6 +54,8 @@ def create_app(engine: EngineProtocol | None, tokenizer: Tokenizer | None, *, se
         context_length=context_length,
         max_body_bytes=max_body_bytes,
         heartbeat_s=ping_interval_s,
+        body_idle_timeout_s=body_idle_timeout_s,
+        body_total_timeout_s=body_total_timeout_s,
         engine=engine,
         tokenizer=tokenizer,
     )

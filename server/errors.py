@@ -78,6 +78,14 @@ def openai_error_body(status: int, message: str, param: str | None = None) -> di
     return {"error": {"message": message, "type": err_type, "param": param, "code": None}}
 
 
+def generic_error_body(status: int, message: str) -> dict[str, Any]:
+    """An error body both SDKs read, for errors raised before the API is known (malformed HTTP): Anthropic's shape
+    whose `error` object also carries OpenAI's `param`/`code` (both SDKs read `error.type` and `error.message`)."""
+    body = anthropic_error_body(status, message)
+    body["error"].update(param=None, code=None)
+    return body
+
+
 def error_response(status: int, message: str, *, openai: bool, param: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
     """A JSON error response in the Anthropic or OpenAI shape."""

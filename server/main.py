@@ -14,12 +14,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
 
 from strata_jax.engine.protocol import EngineProtocol
 from strata_jax.tokenizer import Tokenizer
 
 from server.app import DEFAULT_MAX_BODY_BYTES, create_app, install_engine
+from server.listener import listen, make_runner
+
+log = logging.getLogger("strata.server")
 
 LoadEngine = Callable[[], tuple[EngineProtocol, Tokenizer, int]]
 
@@ -27,7 +29,6 @@ ACCESS_LOG_FORMAT = '%a "%r" %s %bB %Tfs "%{User-Agent}i"'
 
 # Seconds in-flight requests get to finish on shutdown before they are cancelled.
 SHUTDOWN_GRACE_S = 5.0
-
 
 def is_loopback(host: str) -> bool:
     """Whether `host` only accepts connections from this machine."""
@@ -77,17 +78,16 @@ async def _serve(load_engine: LoadEngine, host: str, port: int, api_key: str | N
 
     app = create_app(None, None, served_name=served_name, api_key=api_key, context_length=0,
                      max_body_bytes=max_body_bytes)
-    # handler_cancellation: a client that goes away cancels its handler at once (and so its engine request).
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S,
-                           access_log_format=ACCESS_LOG_FORMAT)
+    runner = make_runner(app, shutdown_timeout=SHUTDOWN_GRACE_S, access_log_format=ACCESS_LOG_FORMAT)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        listener, _ = await listen(runner, host, port)
     except OSError as exc:
         print(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         await runner.cleanup()
         return 1
-    bound_port = runner.addresses[0][1] if runner.addresses else port
+    sockets = listener.sockets
+    bound_port = sockets[0].getsockname()[1] if sockets else port
     print(f"loading the model (GET {_url(host, bound_port)}/health answers 503 until it is ready)", flush=True)
 
     loaded: asyncio.Future[tuple[EngineProtocol, Tokenizer, int]] = loop.create_future()
@@ -108,6 +108,7 @@ async def _serve(load_engine: LoadEngine, host: str, port: int, api_key: str | N
         code = 1
     stop_wait.cancel()
     print("shutting down", file=sys.stderr, flush=True)
+    listener.close()  # stop accepting; in-flight requests get SHUTDOWN_GRACE_S in runner.cleanup()
     await runner.cleanup()
     shutdown = getattr(engine, "shutdown", None) or getattr(engine, "stop", None)
     if callable(shutdown):

@@ -21,11 +21,11 @@ from server.errors import ApiError, openai_error_body
 from server.generation import ClientGone, EngineRun
 from server.openai_request import parse_chat_request
 from server.openai_stream import ChoiceBuilder
-from server.prompt import clamp_max_tokens, render_prompt
+from server.prompt import clamp_max_tokens, engine_top_k, render_prompt
 from server.sse import sse_frame, start_sse
 from server.state import REQUEST_ID, STATE
 from server.toolcalls import OutputParser
-from server.validation import read_json_object
+from server.body import read_request_json
 
 log = logging.getLogger("strata.server")
 
@@ -49,14 +49,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     state = request.app[STATE]
     engine, tokenizer = state.require_ready()
-    req = parse_chat_request(await read_json_object(request, state.max_body_bytes))
+    req = parse_chat_request(await read_request_json(request, state))
     rendered = await asyncio.to_thread(render_prompt, tokenizer, req.prompt)
     n_prompt = len(rendered.ids)
     sampling = SamplingParams(
         max_tokens=clamp_max_tokens(req.max_tokens, n_prompt, state.context_length),
         temperature=req.temperature,
         top_p=req.top_p,
-        top_k=req.top_k,
+        top_k=engine_top_k(req.top_k, tokenizer.vocab_size),
         seed=req.seed,
         stop_strings=req.stop,
     )

@@ -14,6 +14,10 @@ from server.anthropic_request import IMAGE_PLACEHOLDER
 from server.errors import invalid_request
 from server.prompt import ChatPrompt, append_user_note, tool_choice_note
 from server.validation import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    check_tool_schema,
     expect_dict,
     get_bool,
     get_dict,
@@ -48,7 +52,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     model = get_str(body, "model", "")
     messages = [_convert_message(expect_dict(m, f"messages.{i}"), f"messages.{i}")
                 for i, m in enumerate(get_list(body, "messages"))]
-    if get_int(body, "n", 1, minimum=1) != 1:
+    if get_int(body, "n", 1, minimum=1, maximum=INT32_MAX) != 1:
         raise invalid_request("n: only n=1 is supported", "n")
 
     tools, schemas = _convert_tools(get_list(body, "tools", []))
@@ -71,9 +75,9 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         effort = body.get("reasoning_effort")
         enable_thinking = None if effort is None else effort not in ("none", "minimal")
 
-    max_tokens = get_int(body, "max_completion_tokens", None, minimum=1)
+    max_tokens = get_int(body, "max_completion_tokens", None, minimum=1, maximum=INT32_MAX)
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, minimum=1)
+        max_tokens = get_int(body, "max_tokens", None, minimum=1, maximum=INT32_MAX)
     stream_options = get_dict(body, "stream_options") or {}
     return ChatRequest(
         model=model,
@@ -84,8 +88,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         include_usage=bool(stream_options.get("include_usage")),
         temperature=get_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
         top_p=get_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0),
-        top_k=get_int(body, "top_k", 0, minimum=0),
-        seed=get_int(body, "seed", None),
+        top_k=max(get_int(body, "top_k", 0, minimum=-1, maximum=INT32_MAX), 0),  # vLLM's -1 = off, like 0
+        seed=get_int(body, "seed", None, minimum=INT64_MIN, maximum=INT64_MAX),
         stop=get_stop_strings(body, "stop"),
     )
 
@@ -165,6 +169,7 @@ def _convert_tools(raw_tools: list[Any]) -> tuple[list[dict[str, Any]], dict[str
         name = get_str(fn, "name", path=f"tools.{i}.function.")
         params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {"type": "object",
                                                                                      "properties": {}}
+        check_tool_schema(params, f"tools.{i}.function.parameters")
         function: dict[str, Any] = {"name": name, "parameters": params}
         if isinstance(fn.get("description"), str):
             function["description"] = fn["description"]

@@ -7,6 +7,7 @@ chat templates expect); this module folds stray system messages, renders, tokeni
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,8 @@ import jinja2
 from strata_jax.tokenizer import Tokenizer
 
 from server.errors import ApiError, invalid_request
+
+log = logging.getLogger("strata.server")
 
 REMINDER_OPEN, REMINDER_CLOSE = "<system-reminder>\n", "\n</system-reminder>"
 
@@ -140,9 +143,13 @@ def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
             enable_thinking=prompt.enable_thinking,
             tokenize=False,
         )
-    except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
-        raise invalid_request(f"the conversation cannot be rendered with the model's chat template: {exc}") from exc
-    assert isinstance(text, str)
+    except Exception as exc:  # noqa: BLE001 - the template runs on client data: what it raises is a bad request
+        if not isinstance(exc, (jinja2.TemplateError, TypeError, ValueError, KeyError)):
+            log.warning("chat template failed on a request (%s: %s); answered 400", type(exc).__name__, exc)
+        raise invalid_request("the conversation cannot be rendered with the model's chat template: "
+                              f"{_short(f'{type(exc).__name__}: {exc}')}") from exc
+    if not isinstance(text, str):
+        raise invalid_request("the model's chat template did not render text")
     start_in_thinking = text.rstrip().endswith("<think>")
     if prompt.prefill:
         text += prompt.prefill
@@ -150,7 +157,21 @@ def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
             start_in_thinking = False
         elif "<think>" in prompt.prefill:
             start_in_thinking = True
-    return RenderedPrompt(text=text, ids=tokenizer.encode(text), start_in_thinking=start_in_thinking)
+    try:
+        ids = tokenizer.encode(text)
+    except (TypeError, ValueError) as exc:  # e.g. text the tokenizer cannot take (validation should stop it first)
+        raise invalid_request(f"the prompt cannot be tokenized: {_short(str(exc))}") from exc
+    return RenderedPrompt(text=text, ids=ids, start_in_thinking=start_in_thinking)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def engine_top_k(top_k: int, vocab_size: int) -> int:
+    """`top_k` as the engine should get it: a k of at least the vocabulary size keeps every token, i.e. is off (0);
+    so the engine never sees a k larger than its vocabulary."""
+    return 0 if top_k >= vocab_size else top_k
 
 
 def prompt_too_long(prompt_tokens: int, context_length: int) -> ApiError:

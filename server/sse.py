@@ -26,7 +26,8 @@ def sse_frame(data: Any, event: str | None = None) -> bytes:
     """One SSE frame: an optional `event:` line and a `data:` line (JSON unless `data` is a str)."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+    # "replace": a lone surrogate (which requests cannot bring in: validation refuses them) must not break a stream
+    return f"{head}data: {payload}\n\n".encode("utf-8", "replace")
 
 
 async def send_events(response: web.StreamResponse, events: list[tuple[str, dict[str, Any]]]) -> None:

@@ -24,6 +24,8 @@ class ServerState:
     context_length: int
     max_body_bytes: int
     heartbeat_s: float
+    body_idle_timeout_s: float = 30.0  # reading a request body: longest wait for the next byte
+    body_total_timeout_s: float = 300.0  # reading a request body: longest in all
     engine: EngineProtocol | None = None
     tokenizer: Tokenizer | None = None
     created: float = dataclasses.field(default_factory=time.time)

@@ -25,6 +25,8 @@ except ImportError:  # pragma: no cover
 from strata_jax.engine.protocol import GenerationRequest, PromptTooLong, TokenEvent
 from strata_jax.tokenizer import Tokenizer, load_tokenizer
 
+from server.listener import listen, make_runner
+
 TOKENIZER_DIR = Path(__file__).parent / "fixtures" / "tokenizer"
 CLAUDE_CODE_FIXTURES = Path(__file__).parent / "fixtures" / "claude_code"
 
@@ -115,8 +117,12 @@ class ScriptedEngine:
 class ServerThread:
     """Serves `app` on 127.0.0.1 (a free port) from a background thread's event loop."""
 
-    def __init__(self, app: web.Application) -> None:
+    def __init__(self, app: web.Application, **listen_kwargs: Any) -> None:
+        """`listen_kwargs`: server.listener.listen's (max_connections, header_timeout_s)."""
         self.app = app
+        self._listen_kwargs = listen_kwargs
+        self._listener: asyncio.AbstractServer | None = None
+        self.guard: Any = None
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -140,11 +146,10 @@ class ServerThread:
         self.loop.run_forever()
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = make_runner(self.app, access_log=None)  # the settings `serve` runs with
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self._listener, self.guard = await listen(self._runner, "127.0.0.1", 0, **self._listen_kwargs)
+        self.port = self._listener.sockets[0].getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -158,6 +163,8 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(30)
 
     def stop(self) -> None:
+        if self._listener is not None:
+            self.loop.call_soon_threadsafe(self._listener.close)
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
