@@ -1,7 +1,7 @@
 """Pallas kernels for strata_jax, each behind a pure-jnp reference.
 
 ``moe_experts_1bit``: the routed-expert computation of a MoE layer on packed 1-bit / multi-plane
-weights (format: docs/FORMATS.md, "Packed expert format")::
+weights (format: ``pallas_kernels.onebit_format``, docs/FORMATS.md "Packed expert format")::
 
     y[t] = sum_k w[t, k] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = expert_ids[t, k]
 
@@ -27,7 +27,8 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.delta_rule import gated_delta_decode
-from pallas_kernels.onebit_common import PackedWeights, as_packed, check_shapes, dequantize
+from pallas_kernels.onebit_common import as_packed, check_shapes
+from pallas_kernels.onebit_format import PackedExperts, dequantize
 from pallas_kernels.onebit_pallas import DEFAULT_CONFIG, KernelConfig, default_config, moe_experts_1bit_pallas
 from pallas_kernels.onebit_reference import moe_experts_1bit_reference
 from pallas_kernels.onebit_xla import moe_experts_1bit_xla
@@ -35,7 +36,7 @@ from pallas_kernels.onebit_xla import moe_experts_1bit_xla
 __all__ = [
     "DEFAULT_CONFIG",
     "KernelConfig",
-    "PackedWeights",
+    "PackedExperts",
     "as_packed",
     "default_config",
     "dequantize",
@@ -73,7 +74,7 @@ def moe_experts_1bit(
     """Routed experts on packed weights: x [T, H], expert_ids/expert_weights [T, k] -> [T, H] (x.dtype).
 
     ``gate_up`` packs the HF fused ``gate_up_proj`` [E, 2I, H] (gate = first I rows), ``down`` packs
-    ``down_proj`` [E, H, I]; either as ``PackedWeights`` or anything with .bits/.scales/.group.
+    ``down_proj`` [E, H, I]; either as ``PackedExperts`` (numpy or jax arrays) or anything with .bits/.scales/.group.
     ``interpret`` runs the Pallas kernels in interpret mode (CPU tests); ``config`` picks schedule and
     tiles (default: ``default_config(T)``, tuned on an H200); ``poison`` (testing aid) starts the kernels' outputs as NaN so unwritten elements show.
     """

@@ -46,6 +46,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.activations import silu
+
 IMPLS = ("auto", "jnp", "pallas")
 MAX_TOKENS = 64  # the kernels keep [Tp, block] tiles of every stream in registers
 # Three versions measured slower than XLA's fusions on an H200 (docs/PERF.md, "Fused hyper-connection kernels",
@@ -66,10 +68,6 @@ def inject(streams: jax.Array, block_out: jax.Array, weights: jax.Array) -> jax.
     return streams + added.reshape(streams.shape)
 
 
-def _silu(x):
-    return x * jax.nn.sigmoid(x)
-
-
 def _linear(x, w):
     return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
 
@@ -82,7 +80,7 @@ def hyper_mix_jnp(streams, gamma, w_down, w_up, w_inject, *, hc: int, eps: float
     xf = streams.astype(jnp.float32).reshape(*streams.shape[:-1], hc, hidden)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     normed = (normed.reshape(streams.shape) * (1.0 + gamma.astype(jnp.float32))).astype(streams.dtype)
-    mix = _silu(_linear(normed, w_down) / hc)
+    mix = silu(_linear(normed, w_down) / hc)
     mix = jax.nn.sigmoid(_linear(mix, w_up))
     split = lambda y: y.reshape(*y.shape[:-1], hc, hidden)  # noqa: E731
     mixed = jnp.mean(split(mix) * split(normed), axis=-2)

@@ -1,72 +1,23 @@
-"""The packed 1-bit expert weights as a JAX pytree, plus small jnp helpers shared by the three paths.
-
-Layout (see docs/FORMATS.md, "Packed expert format"): for a dense expert stack ``w [E, N, K]``
-(N outputs, K inputs, HF orientation) with ``P`` residual planes and group size ``G``::
-
-    bits   uint32 [E, P, K/32, N]        bit j of word w <-> input 32*w + j (LSB first); 1 -> +scale
-    scales bf16   [E, P, ceil(K/G), N]   one scale per (input group, output channel, plane)
-
-    w[e, n, 32*wd + j] ~= sum_p scales[e, p, (32*wd + j) // G, n] * (2 * bit(bits[e, p, wd, n], j) - 1)
-"""
+"""Launch helpers shared by the 1-bit expert kernels: operand conversion and checks, the Pallas launch and its
+poison aid. The packed format itself is `pallas_kernels.onebit_format`."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-WORD_BITS = 32
+from pallas_kernels.onebit_format import PackedExperts, check_pair
 
 
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class PackedWeights:
-    """Device-side packed planes of one expert stack. ``group`` is static (pytree aux data)."""
-
-    bits: jax.Array  # uint32 [E, P, K // 32, N]
-    scales: jax.Array  # bfloat16 [E, P, ceil(K / group), N]
-    group: int
-
-    def tree_flatten(self):
-        return (self.bits, self.scales), self.group
-
-    @classmethod
-    def tree_unflatten(cls, group, leaves):
-        return cls(*leaves, group)
-
-    @property
-    def num_experts(self) -> int:
-        return self.bits.shape[0]
-
-    @property
-    def planes(self) -> int:
-        return self.bits.shape[1]
-
-    @property
-    def in_features(self) -> int:
-        return self.bits.shape[2] * WORD_BITS
-
-    @property
-    def out_features(self) -> int:
-        return self.bits.shape[3]
-
-    @property
-    def words_per_group(self) -> int:
-        return self.group // WORD_BITS
-
-    def bytes_per_expert(self) -> int:
-        b = self.bits.shape[1:]
-        s = self.scales.shape[1:]
-        return int(np.prod(b)) * 4 + int(np.prod(s)) * 2
-
-
-def as_packed(w) -> PackedWeights:
-    """PackedWeights from a PackedWeights, or anything with .bits/.scales/.group (numpy PackedExperts)."""
-    if isinstance(w, PackedWeights):
+def as_packed(w) -> PackedExperts:
+    """A kernel operand: `PackedExperts` of jax arrays in the words layout, from a `PackedExperts` of numpy or jax
+    arrays, or from anything with .bits/.scales/.group (scales of another float dtype are rounded to bf16)."""
+    layout = getattr(w, "layout", "words")
+    if layout != "words":
+        raise ValueError(f"the kernels read packed words, got the {layout} layout")
+    if isinstance(w, PackedExperts) and not isinstance(w.bits, np.ndarray):
         return w
     bits = jnp.asarray(w.bits)
     scales = jnp.asarray(w.scales)
@@ -74,47 +25,17 @@ def as_packed(w) -> PackedWeights:
         raise TypeError(f"bits must be uint32, got {bits.dtype}")
     if scales.dtype != jnp.bfloat16:
         scales = scales.astype(jnp.bfloat16)
-    return PackedWeights(bits, scales, int(w.group))
+    return PackedExperts(bits, scales, int(w.group))
 
 
-def check_shapes(x, expert_ids, expert_weights, gate_up: PackedWeights, down: PackedWeights):
+def check_shapes(x, expert_ids, expert_weights, gate_up: PackedExperts, down: PackedExperts) -> None:
+    """Raises ValueError unless x [T, H], expert_ids / expert_weights [T, k] and the two stacks fit together."""
     t, h = x.shape
     if expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != t:
         raise ValueError(f"expert_ids {expert_ids.shape} / expert_weights {expert_weights.shape} vs x {x.shape}")
     if gate_up.in_features != h or down.out_features != h:
         raise ValueError(f"hidden {h} vs gate_up in {gate_up.in_features} / down out {down.out_features}")
-    if gate_up.out_features != 2 * down.in_features:
-        raise ValueError(f"gate_up out {gate_up.out_features} != 2 * down in {down.in_features}")
-    if gate_up.num_experts != down.num_experts:
-        raise ValueError("gate_up and down disagree on the number of experts")
-    if gate_up.planes != down.planes:
-        raise ValueError("gate_up and down must have the same number of planes")
-
-
-def unpack_signs(bits: jax.Array) -> jax.Array:
-    """uint32 [..., K/32, N] -> float32 +-1 [..., K, N] (input k = 32*w + j is bit j of word w)."""
-    j = jnp.arange(WORD_BITS, dtype=jnp.uint32)[:, None]
-    b = (bits[..., :, None, :] >> j) & jnp.uint32(1)  # [..., K/32, 32, N]
-    b = b.reshape(*bits.shape[:-2], bits.shape[-2] * WORD_BITS, bits.shape[-1])
-    return b.astype(jnp.float32) * 2.0 - 1.0
-
-
-def expand_scales(scales: jax.Array, group: int, in_features: int) -> jax.Array:
-    """[..., groups, N] -> float32 [..., K, N] (each group's scale repeated over its inputs)."""
-    s = jnp.repeat(scales.astype(jnp.float32), group, axis=-2)
-    return s[..., :in_features, :]
-
-
-def dequantize(w: PackedWeights, ids: jax.Array | None = None) -> jax.Array:
-    """Dense float32 weights [..., N, K] (HF orientation) of all experts, or of experts ``ids``."""
-    bits, scales = (w.bits, w.scales) if ids is None else (w.bits[ids], w.scales[ids])
-    k = w.in_features
-    dense = jnp.sum(unpack_signs(bits) * expand_scales(scales, w.group, k), axis=-3)  # [..., K, N]
-    return jnp.swapaxes(dense, -1, -2)
-
-
-def silu(x):
-    return x / (1.0 + jnp.exp(-x))
+    check_pair(gate_up, down)
 
 
 def launch(kernel, grid, out_shape, args, cfg, interpret: bool, poison: bool):

@@ -32,7 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, launch, silu, strip_poison
+from pallas_kernels.activations import silu
+from pallas_kernels.onebit_common import launch, strip_poison
+from pallas_kernels.onebit_format import WORD_BITS, PackedExperts
 
 NIBBLE_BITS = 4
 # Index widths: 4 (nibbles: 16-entry tables, one gather per 4 weights) or 8 (bytes: 256-entry tables, 16x the table
@@ -162,7 +164,7 @@ def _down_kernel(*refs, bn, bkw, kw_total, wpg, planes, poison, lut_bits, unroll
     lax.fori_loop(0, blk_n_ref[b], row, jnp.int32(0))
 
 
-def gate_up_lut(x_tab, blocks, gate_up: PackedWeights, cfg, *, interpret=False, poison=False):
+def gate_up_lut(x_tab, blocks, gate_up: PackedExperts, cfg, *, interpret=False, poison=False):
     """h [rows, I] float32 in block row order, one row per entry of the blocks' token list (padding rows
     unwritten). With ``cfg.lut_ksplit`` > 1 the K range is split over that many programs per tile (more programs
     for few rows) and XLA adds the partial sums before the activation."""
@@ -189,7 +191,7 @@ def _divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
-def down_lut(h_tab, blocks, down: PackedWeights, cfg, *, interpret=False, poison=False):
+def down_lut(h_tab, blocks, down: PackedExperts, cfg, *, interpret=False, poison=False):
     """ys [rows, H] float32: each row's unweighted down projection, block row order (rows as ``gate_up_lut``)."""
     blk_e, blk_pos, blk_n, tok, _ = blocks
     hidden = down.out_features

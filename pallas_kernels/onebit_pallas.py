@@ -49,7 +49,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, launch, silu, strip_poison
+from pallas_kernels.activations import silu
+from pallas_kernels.onebit_common import launch, strip_poison
+from pallas_kernels.onebit_format import WORD_BITS, PackedExperts
 from pallas_kernels.onebit_lut import down_lut, gate_up_lut, nibble_tables, pair_blocks
 
 
@@ -355,7 +357,7 @@ def _down_grp_kernel(*refs, cfg: KernelConfig, kw_total, wpg, planes, poison):
 # launchers
 
 
-def _resolve(cfg: KernelConfig, gate_up: PackedWeights, down: PackedWeights) -> KernelConfig:
+def _resolve(cfg: KernelConfig, gate_up: PackedExperts, down: PackedExperts) -> KernelConfig:
     """Tiles fitted to the shapes: powers of two dividing them; with int8 activations, K steps inside one scale
     group."""
     inter, hidden = down.in_features, down.out_features
@@ -385,7 +387,7 @@ def quantize_rows(x, group: int):
     return q.reshape(r, ng * group)[:, :k], scale
 
 
-def gate_up_pairs(x, expert_ids, gate_up: PackedWeights, cfg: KernelConfig, *, interpret=False, poison=False):
+def gate_up_pairs(x, expert_ids, gate_up: PackedExperts, cfg: KernelConfig, *, interpret=False, poison=False):
     """h [T*k, I] bf16 for every (token, slot) pair in routing order."""
     t, k = expert_ids.shape
     inter = gate_up.out_features // 2
@@ -398,7 +400,7 @@ def gate_up_pairs(x, expert_ids, gate_up: PackedWeights, cfg: KernelConfig, *, i
     return launch(kern, (t * k, inter // cfg.bn1), out, args, cfg, interpret, poison)
 
 
-def down_pairs(h, expert_ids, expert_weights, down: PackedWeights, out_dtype, cfg: KernelConfig, *,
+def down_pairs(h, expert_ids, expert_weights, down: PackedExperts, out_dtype, cfg: KernelConfig, *,
                interpret=False, poison=False):
     """y [T, H] = sum_k w_k * down_{e_k}(h_k), the weighted sum fused into the kernel."""
     t, k = expert_ids.shape
@@ -445,7 +447,7 @@ def group_pairs(expert_ids, num_experts: int, bm: int):
     return blk_e, blk_pos, blk_n, tok_sorted, inv
 
 
-def gate_up_grouped(x, blocks, gate_up: PackedWeights, cfg: KernelConfig, *, interpret=False, poison=False):
+def gate_up_grouped(x, blocks, gate_up: PackedExperts, cfg: KernelConfig, *, interpret=False, poison=False):
     """h_sorted [P + bm, I] bf16: rows in expert-sorted pair order (rows >= P unwritten)."""
     blk_e, blk_pos, blk_n, tok_sorted, inv = blocks
     p = inv.shape[0]
@@ -459,7 +461,7 @@ def gate_up_grouped(x, blocks, gate_up: PackedWeights, cfg: KernelConfig, *, int
     return launch(kern, (blk_e.shape[0], inter // cfg.bn1), out, args, cfg, interpret, poison)
 
 
-def down_grouped(h_sorted, blocks, down: PackedWeights, cfg: KernelConfig, *, interpret=False, poison=False):
+def down_grouped(h_sorted, blocks, down: PackedExperts, cfg: KernelConfig, *, interpret=False, poison=False):
     """y_sorted [P + bm, H] float32 (unweighted per-pair outputs, expert-sorted order)."""
     blk_e, blk_pos, blk_n, _, inv = blocks
     p = inv.shape[0]
@@ -474,7 +476,7 @@ def down_grouped(h_sorted, blocks, down: PackedWeights, cfg: KernelConfig, *, in
 
 
 def moe_experts_1bit_pallas(
-    x, expert_ids, expert_weights, gate_up: PackedWeights, down: PackedWeights, *,
+    x, expert_ids, expert_weights, gate_up: PackedExperts, down: PackedExperts, *,
     config: KernelConfig | None = None, interpret: bool = False, poison: bool = False,
 ):
     t, k = expert_ids.shape

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.onebit_common import PackedWeights, dequantize, silu
+from pallas_kernels.activations import silu
+from pallas_kernels.onebit_format import PackedExperts, dequantize
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -18,8 +19,8 @@ def moe_experts_1bit_reference(
     x: jax.Array,
     expert_ids: jax.Array,
     expert_weights: jax.Array,
-    gate_up: PackedWeights,
-    down: PackedWeights,
+    gate_up: PackedExperts,
+    down: PackedExperts,
 ) -> jax.Array:
     """sum_k w_k * down_e(silu(gate_e x) * up_e x), all in float32; returns x.dtype [T, H]."""
     inter = down.in_features

@@ -12,10 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.onebit_common import WORD_BITS, PackedWeights, silu
+from pallas_kernels.activations import silu
+from pallas_kernels.onebit_format import WORD_BITS, PackedExperts
 
 
-def _project(xin: jax.Array, ids: jax.Array, w: PackedWeights) -> jax.Array:
+def _project(xin: jax.Array, ids: jax.Array, w: PackedExperts) -> jax.Array:
     """xin [T, K] or [T, k, K] float32, ids [T, k] -> [T, k, N] float32 (per-pair projections)."""
     t, k = ids.shape
     kw = w.bits.shape[2]
@@ -36,8 +37,8 @@ def moe_experts_1bit_xla(
     x: jax.Array,
     expert_ids: jax.Array,
     expert_weights: jax.Array,
-    gate_up: PackedWeights,
-    down: PackedWeights,
+    gate_up: PackedExperts,
+    down: PackedExperts,
 ) -> jax.Array:
     inter = down.in_features
     g = _project(x.astype(jnp.float32), expert_ids, gate_up)  # [T, k, 2I]

@@ -73,7 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         print(f"loading {model_dir} ({args.dtype}) ...", flush=True)
-        model = load_model(model_dir, dtype=args.dtype, gpu_experts=gpu_experts)
+        model = load_model(model_dir, dtype=args.dtype, gpu_experts=gpu_experts, host_kernel=args.host_kernel,
+                           host_workers=args.pool_workers)
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
@@ -200,14 +201,11 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> int | None:
         make_plan,
         probe_device_memory,
     )
-    from strata_jax.host.tier import configure_kernel, configure_workers
 
     if args.gpu_experts is not None and not (model_dir / "strata_quant.json").is_file():
         raise ValueError("--gpu-experts needs packed experts: convert the checkpoint with `python -m strata_jax "
                          "quantize` first")
     budget = cpu_budget(pool_workers=args.pool_workers)
-    configure_workers(budget.workers)
-    configure_kernel(args.host_kernel)
     device = probe_device_memory()
     if device is None and args.vram_budget_mib is None:
         print(describe(budget), flush=True)

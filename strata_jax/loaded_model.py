@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strata_jax.host.pool import HostPool
+from strata_jax.host.tier import HostTier
 from strata_jax.model.config import ExpertQuantization, ModelConfig, load_config
 from strata_jax.model.cache import ModelCache, init_cache
 from strata_jax.model.decoder import CausalLM
@@ -48,13 +50,16 @@ def _mtp_step(graphdef, state, next_tokens, hidden, cache, n_valid):
 
 
 class LoadedModel:
-    """A loaded checkpoint. See `load_model`."""
+    """A loaded checkpoint. See `load_model`. `host_pool`: the pool its MoE layers' host tiers compute on (a new,
+    idle one for a model without any), where the CLI and the benchmarks read `busy()` and switch kernels."""
 
-    def __init__(self, path: Path, config: ModelConfig, model: CausalLM, dtype, ple_tables: list[PleTable], tokenizer):
+    def __init__(self, path: Path, config: ModelConfig, model: CausalLM, dtype, ple_tables: list[PleTable], tokenizer,
+                 host_pool: HostPool | None = None):
         self.path = path
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = dtype
+        self.host_pool = host_pool if host_pool is not None else HostPool()
         self.has_mtp = model.mtp is not None
         self._graphdef, self._state = nnx.split(model)
         self._ple_tables = ple_tables
@@ -182,6 +187,8 @@ def load_model(
     planes: int = 1,
     group: int = 128,
     gpu_experts: int | None = None,
+    host_kernel: str = "xla",
+    host_workers: int | None = None,
 ) -> LoadedModel:
     """Loads a Hugging Face checkpoint directory (config.json + safetensors [+ index] + tokenizer files), or a
     directory written by `python -m strata_jax quantize` (its experts stay packed as converted).
@@ -192,6 +199,8 @@ def load_model(
     gpu_experts: packed experts only: experts per MoE layer kept in the device pool (e.g. the planner's
     `MemoryPlan.gpu_experts`); the others are computed on the host from the same packed bytes (strata_jax/host).
     None (or >= the number of experts): every expert on the device.
+    host_kernel / host_workers: the host experts' implementation ("xla", compiled by XLA:CPU, or "numpy", the
+    reference) and threads (None: from the CPU quota granted), for the model's `HostPool` (`LoadedModel.host_pool`).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -203,11 +212,14 @@ def load_model(
     started = time.monotonic()
     config = load_config(path)
     jdtype = _DTYPES[dtype]
+    pool = HostPool(kernel=host_kernel, workers=host_workers)
+    host_experts = functools.partial(HostTier, pool=pool)
     if is_converted(path):
         meta = read_marker(path)
         quant = ExpertQuantization(planes=meta["planes"], group=meta["group"], gpu_experts=gpu_experts)
         with_mtp = (path / "params" / "mtp").is_dir()
-        model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant))
+        model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant,
+                                                host_experts=host_experts))
         restore_params(model, path)
         reader = CheckpointReader(path) if config.ple_layers else None
     else:
@@ -216,7 +228,8 @@ def load_model(
             raise ValueError("gpu_experts needs packed experts (quantize='1bit' or a converted checkpoint)")
         reader = CheckpointReader(path)
         with_mtp = has_mtp(reader)
-        model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant))
+        model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant,
+                                                host_experts=host_experts))
         fill_params(model, config, reader, jdtype)
     tables = load_ple_tables(config, reader) if reader is not None else []
     tokenizer = None
@@ -226,4 +239,4 @@ def load_model(
         tokenizer = load_tokenizer(path)
     if sys.stderr.isatty():
         print(f"loaded {path} ({config.family}, {dtype}) in {time.monotonic() - started:.1f}s", file=sys.stderr)
-    return LoadedModel(path, config, model, jdtype, tables, tokenizer)
+    return LoadedModel(path, config, model, jdtype, tables, tokenizer, host_pool=pool)

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.moe import PackedExperts
+from strata_jax.model.moe import QuantizedExperts
 
-LAUNCH_US = 5.0  # measured per-kernel cost of a small step on the H200 (DESIGN.md)
+LAUNCH_US = 5.0  # measured per-kernel cost of a small step on the H200 (docs/ARCHITECTURE.md, "Background")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # Instructions that launch nothing: they name, reshape or forward buffers.
@@ -91,7 +91,7 @@ def step_bytes(cfg: ModelConfig, model, slots: int, fill: int, tokens_per_slot: 
     to each of `slots` slots (1: decode; k+1: a verify window)."""
     dense = experts_per_layer = expert_layers = 0
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, PackedExperts):
+        if isinstance(node, QuantizedExperts):
             expert_layers += 1
             experts_per_layer = sum(
                 getattr(node, n)[...].nbytes for n in ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")

@@ -19,20 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.bench.kernels import routings, time_fn
-from strata_jax.host import tier as host_tier
+from strata_jax.host.pool import HostPool
+from strata_jax.host.tier import HostTier
 from strata_jax.bench.synthetic import preset_config
 
 LAYERS = 48
 ROUNDTRIP_MODES = ("device", "noop", "serial", "split")
 
 
-def _random_tier(args, cfg, experts: int) -> host_tier.HostTier:
-    """A host tier of `experts` random packed experts at the config's shapes (`--planes`, `--group`), with the pool
-    sized by `--pool-workers`."""
-    host_tier.configure_workers(args.pool_workers)
+def _random_tier(args, cfg, experts: int) -> HostTier:
+    """A host tier of `experts` random packed experts at the config's shapes (`--planes`, `--group`), on a pool of
+    `--pool-workers` threads."""
     e, h, i, g, p = experts, cfg.hidden_size, cfg.moe_intermediate_size, args.group, args.planes
     rng = np.random.default_rng(0)
-    tier = host_tier.HostTier(g)
+    tier = HostTier(g, HostPool(workers=args.pool_workers))
     for name, shape in (("gate_up", (e, p, h, 2 * i)), ("down", (e, p, i, h))):
         *lead, k, n = shape
         tier.set(f"{name}_bits", rng.integers(0, 2**32, (*lead, k // 32, n), dtype=np.uint64).astype(np.uint32))
@@ -62,7 +62,7 @@ def run_host_layer(args) -> list[dict]:
     cfg = preset_config(args.preset)
     e, k = min(cfg.num_experts, 64), cfg.num_experts_per_tok
     tier = _random_tier(args, cfg, e)
-    print(f"host: {host_tier.worker_pool()._max_workers} pool workers; {e} experts at {args.preset} shapes",
+    print(f"host: {tier.pool.workers} pool workers; {e} experts at {args.preset} shapes",
           flush=True)
     rng = np.random.default_rng(1)
     rows = []
@@ -93,7 +93,7 @@ def print_host_table(rows: list[dict]) -> None:
         print(f"| {t} | {pairs} | " + " | ".join(cells) + " |")
 
 
-def _layers_program(mode: str, tier: host_tier.HostTier, weight: jax.Array):
+def _layers_program(mode: str, tier: HostTier, weight: jax.Array):
     """The jitted 48-layer program of `--mode roundtrip` for one mode (see the module docstring)."""
     starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-bench-split")
     pending: dict[int, concurrent.futures.Future] = {}
@@ -141,7 +141,7 @@ def run_roundtrip(args) -> list[dict]:
     rng = np.random.default_rng(1)
     weight = jnp.asarray(rng.standard_normal((h, 10 * h)) * 0.01, jnp.bfloat16)
     print(f"device: {jax.devices()[0].device_kind}; host kernel {tier.kernel}, "
-          f"{host_tier.worker_pool()._max_workers} pool workers", flush=True)
+          f"{tier.pool.workers} pool workers", flush=True)
     programs = {mode: _layers_program(mode, tier, weight) for mode in ROUNDTRIP_MODES}
     rows = []
     for spec in args.host_pairs.split(","):

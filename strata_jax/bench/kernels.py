@@ -33,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import KernelConfig, PackedWeights, moe_experts_1bit
-from pallas_kernels.onebit_common import dequantize
+from pallas_kernels import KernelConfig, PackedExperts, dequantize, moe_experts_1bit
 
 HIDDEN, INTER, EXPERTS, TOPK, GROUP = 2560, 640, 512, 10, 128
 
@@ -140,14 +139,14 @@ def log(*a):
     print(*a, flush=True)
 
 
-def random_packed(key, n_experts, out_f, in_f, planes, group, std=0.02) -> PackedWeights:
+def random_packed(key, n_experts, out_f, in_f, planes, group, std=0.02) -> PackedExperts:
     """Random packed planes (uniform bits, scales ~ the magnitude a real quantized matrix gets)."""
     kb, ks = jax.random.split(key)
     bits = jax.random.bits(kb, (n_experts, planes, in_f // 32, out_f), jnp.uint32)
     ng = -(-in_f // group)
     base = std * 0.8 * 0.6 ** jnp.arange(planes, dtype=jnp.float32)[None, :, None, None]
     sc = base * (1 + 0.2 * jax.random.uniform(ks, (n_experts, planes, ng, out_f)))
-    return PackedWeights(bits, sc.astype(jnp.bfloat16), group)
+    return PackedExperts(bits, sc.astype(jnp.bfloat16), group)
 
 
 def routings(rng, n, t, k=None, e=None):
@@ -352,7 +351,7 @@ def main(argv=None):
         kg, kd, key = jax.random.split(key, 3)
         gu = random_packed(kg, ne, 2 * INTER, HIDDEN, planes, GROUP)
         dn = random_packed(kd, ne, HIDDEN, INTER, planes, GROUP)
-        bytes_per_expert = gu.bytes_per_expert() + dn.bytes_per_expert()
+        bytes_per_expert = gu.bytes_per_expert + dn.bytes_per_expert
         want = names if planes == 1 else [n for n in names if n in args.planes2_variants.split(",")]
         dense = None
         if "bf16" in want and planes == 1:

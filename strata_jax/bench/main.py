@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -50,7 +49,9 @@ from strata_jax.bench.tier import print_tier_table, run_tier, tier_args
 from strata_jax.bench.users import print_users_table, run_users, users_args
 from strata_jax.demo import DEMO_MODEL
 from strata_jax.model.config import ExpertQuantization
-from strata_jax.engine.runner import _decode, _verify, on_weight_leaves
+from strata_jax.engine.steps import (
+    decode_args, decode_step, flat_weights, greedy_sampling, jit_step, verify_args, verify_step,
+)
 from strata_jax.bench.floors import LAUNCH_US, copy_bandwidth, kernel_ops, step_bytes
 from strata_jax.model.cache import ModelCache
 from strata_jax.model.hyper import prefold_hyper_connections
@@ -90,15 +91,6 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance**i for i in range(k + 1))
 
 
-def _jit_step(step, graphdef, state, how: str):
-    """A step function jitted with the model's weights passed as the nnx.State pytree (`how="pytree"`) or, as the
-    engine passes them, as its flat list of arrays (`"leaves"`). Returns (jitted function, weights argument)."""
-    if how == "pytree":
-        return jax.jit(functools.partial(step, 0, graphdef), donate_argnums=(1,)), state
-    treedef = jax.tree_util.tree_structure(state)
-    return jax.jit(on_weight_leaves(step, 0, graphdef, treedef), donate_argnums=(1,)), jax.tree_util.tree_leaves(state)
-
-
 def run_step_bench(args) -> list[dict]:
     cfg = preset_config(args.preset)
     quant = ExpertQuantization(planes=args.planes, group=args.group, impl=args.impl)
@@ -113,20 +105,20 @@ def run_step_bench(args) -> list[dict]:
     jax.block_until_ready(state)
     print(f"synthetic {args.preset}: {sum(x.nbytes for x in jax.tree_util.tree_leaves(state)) / 2**30:.1f} GiB "
           f"on device in {time.monotonic() - t:.0f}s", flush=True)
-    decode, weights = _jit_step(_decode, graphdef, state, args.state_args)
-    verify, _ = _jit_step(_verify, graphdef, state, args.state_args)
+    # The engine's compiled steps, with the weights passed as it passes them (a flat list of arrays) or, to measure
+    # what flattening costs, as the nnx.State pytree.
+    flat = args.state_args == "leaves"
+    decode = jit_step(decode_step, graphdef, state, flat=flat)
+    verify = jit_step(verify_step, graphdef, state, flat=flat)
+    weights = flat_weights(state) if flat else state
     window = args.draft_k + 1
-
-    def sampling(s):
-        z = jnp.zeros(s)
-        return (z, z.astype(jnp.int32), z + 1, z.astype(jnp.uint32))
 
     def inputs(kind, s):
         rng = np.random.default_rng(s)
         if kind == "decode":
-            return (jnp.asarray(rng.integers(0, cfg.vocab_size, s), jnp.int32), jnp.ones(s, bool), (), *sampling(s))
-        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (s, window)), jnp.int32)
-        return (tokens, jnp.full((s,), window, jnp.int32), (), *sampling(s))
+            return decode_args(rng.integers(0, cfg.vocab_size, s), np.ones(s, bool), greedy_sampling(s))
+        tokens = rng.integers(0, cfg.vocab_size, (s, window))
+        return verify_args(tokens, np.full((s,), window), greedy_sampling(s))
 
     def compile_one(job):
         kind, s = job

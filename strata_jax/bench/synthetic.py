@@ -1,6 +1,6 @@
 """Synthetic models at real shapes, built directly on the device (no checkpoint), for benchmarks.
 
-`PRESETS["flash-next-125b"]` is Qwen3.8-Flash-Next's text model as DESIGN.md gives it. Weights are random (never
+`PRESETS["flash-next-125b"]` is Qwen3.8-Flash-Next's text model as docs/ARCHITECTURE.md ("Background") gives it. Weights are random (never
 zeros: routing, attention and kernels see realistic data), created parameter by parameter on the device.
 """
 
@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strata_jax.host.pool import HostPool
+from strata_jax.host.tier import HostTier
 from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.model.cache import init_cache
 from strata_jax.model.decoder import CausalLM
-from strata_jax.model.moe import PackedExperts
+from strata_jax.model.moe import QuantizedExperts
 
 _FLASH_NEXT = {
     "model_type": "qwen4_exp_text",
@@ -80,14 +82,17 @@ def preset_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(PRESETS[name])
 
 
-def synthetic_model(cfg: ModelConfig, dtype=jnp.bfloat16, quant: ExpertQuantization | None = None, seed: int = 0):
+def synthetic_model(cfg: ModelConfig, dtype=jnp.bfloat16, quant: ExpertQuantization | None = None, seed: int = 0,
+                    *, host_pool: HostPool | None = None):
     """A CausalLM with random weights, every parameter created directly on the default device.
 
     With a host expert tier (`quant.gpu_experts` < experts), each MoE layer's full expert stack is generated on the
-    device one layer at a time and moved to host RAM; its first `gpu_experts` experts fill the device pool."""
-    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype, quant=quant))
+    device one layer at a time and moved to host RAM, computed there on `host_pool` (default: a new one); its first
+    `gpu_experts` experts fill the device pool."""
+    host_experts = functools.partial(HostTier, pool=host_pool if host_pool is not None else HostPool())
+    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype, quant=quant, host_experts=host_experts))
     key = jax.random.key(seed)
-    tiered = {p: n for p, n in nnx.iter_graph(model) if isinstance(n, PackedExperts) and n.host is not None}
+    tiered = {p: n for p, n in nnx.iter_graph(model) if isinstance(n, QuantizedExperts) and n.host is not None}
     params = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.Param)]
     for i, (path, param) in enumerate(params):
         if path[:-1] in tiered:

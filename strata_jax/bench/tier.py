@@ -29,10 +29,10 @@ from strata_jax.model.config import ExpertQuantization
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
 from strata_jax.engine.planner import MIB, MemoryPlan, device_memory, make_plan
-from strata_jax.engine.runner import _decode, on_weight_leaves
-from strata_jax.host import tier as host_tier
+from strata_jax.engine.steps import decode_step, jit_step
+from strata_jax.host.pool import HostPool, check_kernel
 from strata_jax.model.moe import add_routing_bias
-from strata_jax.bench.synthetic import preset_config, synthetic_model
+from strata_jax.bench.synthetic import preset_config, random_cache, synthetic_model
 
 FRACTIONS = {"all": 1.0, "half": 0.5, "quarter": 0.25}
 
@@ -74,12 +74,13 @@ def _plan(cfg, quant, engine: EngineConfig, mib: int, reserve_mib: int) -> Memor
                      suggest=False)
 
 
-def _build(cfg, quant: ExpertQuantization, gpu_experts: int, dtype):
+def _build(cfg, quant: ExpertQuantization, gpu_experts: int, dtype, host_kernel: str):
     q = ExpertQuantization(quant.planes, quant.group, quant.impl,
                            gpu_experts=None if gpu_experts >= cfg.num_experts else gpu_experts)
-    model = synthetic_model(cfg, dtype, q)
+    pool = HostPool(kernel=host_kernel)
+    model = synthetic_model(cfg, dtype, q, host_pool=pool)
     add_routing_bias(model)
-    return LoadedModel(Path("synthetic"), cfg, model, dtype, [], None)
+    return LoadedModel(Path("synthetic"), cfg, model, dtype, [], None, host_pool=pool)
 
 
 def run_tier(args) -> list[dict]:
@@ -87,7 +88,8 @@ def run_tier(args) -> list[dict]:
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     quant = ExpertQuantization(planes=args.planes, group=args.group, impl=args.impl)
     routings = args.routing.split(",")
-    host_tier.configure_kernel(args.host_kernel.split(",")[0])
+    host_kernel = args.host_kernel.split(",")[0]
+    check_kernel(host_kernel)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     # A budget is planned for the largest slot count that fits it, as `serve --slots N` would, and that pool serves
     # the smaller slot counts too (larger ones are refused rows). Models are shared by pool size.
@@ -109,7 +111,7 @@ def run_tier(args) -> list[dict]:
             break
     for gpu_experts, entries in sorted(jobs.items(), reverse=True):
         t0 = time.monotonic()
-        model = _build(cfg, quant, gpu_experts, dtype)
+        model = _build(cfg, quant, gpu_experts, dtype, host_kernel)
         print(f"model with {gpu_experts}/{cfg.num_experts} experts per layer on the device built in "
               f"{time.monotonic() - t0:.0f}s", flush=True)
         rows += _measure(args, cfg, model, entries, routings, random_cache)
@@ -122,9 +124,9 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
     graphdef, state = model.graphdef, model.state
     placement = ExpertPlacement(state, graphdef, PlacementConfig(every=args.placement_every))
     placement.warm_up()
-    # As the engine does (DeviceSteps._weights): weights as a flat list, flattened once unless a host tier's
+    # As the engine's ModelRunner does: weights as a flat list, flattened once unless a host tier's
     # placement rewrites them between steps.
-    decode = jax.jit(on_weight_leaves(_decode, 0, graphdef, jax.tree_util.tree_structure(state)), donate_argnums=(1,))
+    decode = jit_step(decode_step, graphdef, state)
     fixed = None if placement.active else jax.tree_util.tree_leaves(state)
 
     def weights():
@@ -153,8 +155,8 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
             for layer in placement.layers:
                 layer.score[:] = 0.0
             for kernel in args.host_kernel.split(",") if placement.active else ["-"]:
-                for layer in placement.layers:
-                    layer.module.host.use_kernel(kernel)
+                if placement.active:
+                    model.host_pool.use_kernel(kernel)
                 rows.append(_time_row(args, cfg, model, placement, compiled[s], weights, inputs(s), random_cache,
                                       dict(budget=label, budget_mib=mib, gpu_experts=plan.gpu_experts,
                                            experts=plan.num_experts, slots=s, routing=routing, host_kernel=kernel)))
@@ -178,7 +180,7 @@ def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, wei
         cache, ins = step(cache, ins)
     placement.round(place=False)
     before = placement.stats()
-    host_before = host_tier.busy()
+    host_before = model.host_pool.busy()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -186,7 +188,7 @@ def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, wei
         times.append(time.perf_counter() - t0)
     placement.round(place=False)
     after = placement.stats()
-    host_calls, host_s = (b - a for a, b in zip(host_before, host_tier.busy()))
+    host_calls, host_s = (b - a for a, b in zip(host_before, model.host_pool.busy()))
     pairs = after.get("expert_pairs_total", 0) - before.get("expert_pairs_total", 0)
     hits = after.get("expert_gpu_pairs_total", 0) - before.get("expert_gpu_pairs_total", 0)
     step_ms = statistics.median(times) * 1e3

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strata_jax.host.pool import HostPool
 from strata_jax.loaded_model import LoadedModel, load_model
 from strata_jax.bench.tier import set_routing
 from strata_jax.model.config import ExpertQuantization
@@ -21,7 +22,7 @@ from strata_jax.bench.floors import copy_bandwidth, step_bytes
 from strata_jax.model.moe import add_routing_bias
 from strata_jax.bench.synthetic import preset_config, synthetic_model
 
-# Strata, RTX 5090, 256K context (DESIGN.md): users -> (per-user tok/s, aggregate tok/s, TTFT).
+# Strata, RTX 5090, 256K context (docs/ARCHITECTURE.md, "Background"): users -> (per-user tok/s, aggregate tok/s, TTFT).
 SEED = {1: (144.0, 144.0, "< 2 s"), 4: (38.0, 125.0, "2-8 s"), 8: (19.0, 130.0, "2-8 s")}
 
 _CODE = '''def merge_sorted(a, b):
@@ -48,10 +49,11 @@ def bench_model(args) -> LoadedModel:
     cfg = preset_config(args.preset)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     quant = ExpertQuantization(planes=args.planes or 1, group=args.group, impl=args.impl, gpu_experts=gpu_experts)
-    model = synthetic_model(cfg, dtype, quant)
+    pool = HostPool()
+    model = synthetic_model(cfg, dtype, quant, host_pool=pool)
     if args.routing != "uniform":
         add_routing_bias(model)
-    loaded = LoadedModel(Path(f"synthetic:{args.preset}"), cfg, model, dtype, [], None)
+    loaded = LoadedModel(Path(f"synthetic:{args.preset}"), cfg, model, dtype, [], None, host_pool=pool)
     set_routing(loaded.state, args.routing, args.zipf_s)
     return loaded
 

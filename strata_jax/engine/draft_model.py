@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ from flax import nnx
 
 from strata_jax.loaded_model import LoadedModel
 from strata_jax.engine.config import EngineConfig
-from strata_jax.engine.runner import DeviceSteps
+from strata_jax.engine.drafters import DraftRequest
+from strata_jax.engine.runner import ModelRunner, RunnerModel
 
 
 def _draft_k(k, graphdef, state, cache, last, active):
@@ -35,7 +37,7 @@ def _draft_k(k, graphdef, state, cache, last, active):
 
 
 class DraftModelDrafter:
-    """Drafts with a small model of the same vocabulary; `propose_all` serves every decoding slot at once."""
+    """Drafts with a small model of the same vocabulary (a `Drafter`): one call serves every decoding slot."""
 
     def __init__(self, draft: LoadedModel, config: EngineConfig, target_vocab: int):
         if draft.config.ple_layers:
@@ -43,40 +45,41 @@ class DraftModelDrafter:
         if draft.config.vocab_size > target_vocab:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) exceeds the target's")
         self.k = config.draft_k
-        self.steps = DeviceSteps(draft, dataclasses.replace(config, draft="none", prefix_cache_mib=0))
+        self.runner = ModelRunner(RunnerModel.of(draft), dataclasses.replace(config, draft="none", prefix_cache_mib=0))
         self._draft = jax.jit(functools.partial(_draft_k, self.k, draft.graphdef))
         self._synced = [0] * config.slots
         self._owner: list[object | None] = [None] * config.slots
         self._greedy = (0.0, 0, 1.0, 0)
 
     def warm_up(self) -> None:
-        self.steps.warm_up()
-        s = self.steps.config.slots
-        self._draft(self.steps.model.state, self.steps.cache, jnp.zeros(s, jnp.int32), jnp.zeros(s, bool))
+        """Compiles the draft model's prefill steps and the k-token draft call."""
+        self.runner.warm_up()
+        s = self.runner.config.slots
+        self._draft(self.runner.model.state, self.runner.cache, jnp.zeros(s, jnp.int32), jnp.zeros(s, bool))
 
-    def _catch_up(self, slot: int, owner: object, consumed: list[int]) -> None:
+    def _catch_up(self, slot: int, owner: object, consumed: Sequence[int]) -> None:
         if self._owner[slot] is not owner or self._synced[slot] > len(consumed):
-            self.steps.reset(slot)
+            self.runner.reset(slot)
             self._owner[slot], self._synced[slot] = owner, 0
-        chunks = self.steps.config.prefill_chunks
+        chunks = self.runner.config.prefill_chunks
         while self._synced[slot] < len(consumed):
             todo = consumed[self._synced[slot] :]
             size = next((c for c in chunks if c >= len(todo)), chunks[-1])
             n = min(size, len(todo))
             tokens = np.zeros((1, size), np.int32)
             tokens[0, :n] = todo[:n]
-            self.steps.prefill(slot, tokens, n, -1, (), self._greedy)
+            self.runner.prefill(slot, tokens, n, -1, (), self._greedy)
             self._synced[slot] += n
 
-    def propose_all(self, sequences: dict[int, tuple[object, list[int], int]]) -> dict[int, list[int]]:
-        """sequences: slot -> (owner, whole sequence so far, limit). The target has consumed all but the last
-        token of each sequence; returns up to `limit` drafts per slot."""
-        s = self.steps.config.slots
+    def propose(self, requests: Mapping[int, DraftRequest]) -> dict[int, list[int]]:
+        """Up to `limit` greedy drafts per slot, after catching each slot up on the tokens the target consumed
+        (all of its history but the last token)."""
+        s = self.runner.config.slots
         last = np.zeros(s, np.int32)
         active = np.zeros(s, bool)
-        for slot, (owner, seq, _) in sequences.items():
-            self._catch_up(slot, owner, seq[:-1])
-            last[slot], active[slot] = seq[-1], True
-        drafts = np.asarray(self._draft(self.steps.model.state, self.steps.cache, jnp.asarray(last),
+        for slot, r in requests.items():
+            self._catch_up(slot, r.owner, r.history[:-1])
+            last[slot], active[slot] = r.history[-1], True
+        drafts = np.asarray(self._draft(self.runner.model.state, self.runner.cache, jnp.asarray(last),
                                         jnp.asarray(active)))
-        return {slot: [int(t) for t in drafts[slot, : max(limit, 0)]] for slot, (_, _, limit) in sequences.items()}
+        return {slot: [int(t) for t in drafts[slot, : max(r.limit, 0)]] for slot, r in requests.items()}

@@ -1,5 +1,6 @@
 """`Engine`: the async front of the serving loop. `submit()` queues a request and returns an async stream of
-`TokenEvent`s; the JAX work runs in the scheduler thread and events come back through the caller's event loop."""
+`TokenEvent`s. Three threads carry a request: the caller's event loop (submit, the stream), the engine thread (the
+scheduler deciding, the model runner executing) and the output thread (detokenization, stop strings, events)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from collections.abc import AsyncIterator
 from strata_jax.loaded_model import LoadedModel
 from strata_jax.engine.protocol import GenerationRequest, PromptTooLong, TokenEvent
 from strata_jax.engine.config import EngineConfig
-from strata_jax.engine.placement import PlacementConfig
-from strata_jax.engine.scheduler import Job, Scheduler
-from strata_jax.engine.runner import DeviceSteps
+from strata_jax.engine.drafters import Drafter, make_drafter
+from strata_jax.engine.job import Job
+from strata_jax.engine.output import OutputProcessor
+from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
+from strata_jax.engine.scheduler import Scheduler
+from strata_jax.engine.runner import ModelRunner, RunnerModel
 from strata_jax.model.cache import cache_bytes
 
 
@@ -23,41 +27,60 @@ class Engine:
     """Serves one loaded model to many concurrent requests (implements `EngineProtocol`)."""
 
     def __init__(
-        self, model: LoadedModel, config: EngineConfig | None = None, drafter=None,
+        self, model: LoadedModel, config: EngineConfig | None = None, drafter: Drafter | None = None,
         placement: PlacementConfig | None = None,
     ):
-        """`drafter` (an object with `propose(history, limit) -> list[int]`) overrides `config.draft`; the
-        verify step is compiled when either is set. `placement`: hot-expert placement policy for a model with a
-        host expert tier (default: `PlacementConfig()`)."""
+        """`drafter` (a `Drafter`, strata_jax/engine/drafters.py) overrides the one `config.draft` names; the
+        verify step is compiled when there is one. `placement`: hot-expert placement policy for a model with a host
+        expert tier (default: `PlacementConfig()`)."""
         self.model = model
         self.config = config or EngineConfig()
         self.tokenizer = model.tokenizer
         self.context_length = self.config.max_context
-        self._steps = DeviceSteps(model, self.config, with_verify=drafter is not None or self.config.draft != "none",
-                                  placement=placement)
-        mib = cache_bytes(self._steps.cache) / 2**20
+        self.placement = ExpertPlacement(model.state, model.graphdef, placement)
+        self.placement.warm_up()
+        self._drafter = drafter if drafter is not None else make_drafter(self.config)
+        self._runner = ModelRunner(RunnerModel.of(model), self.config, with_verify=self._drafter is not None)
+        mib = cache_bytes(self._runner.cache) / 2**20
         print(
             f"engine: {self.config.slots} slots x {self.config.max_context} tokens, caches {mib:.1f} MiB on device",
             file=sys.stderr,
             flush=True,
         )
-        self._drafter = drafter
-        self._scheduler = Scheduler(model, self.config, self._steps, drafter)
+        self._output = OutputProcessor(model.tokenizer, lambda stream, kept: self._scheduler.end(stream, kept))
+        self._scheduler = Scheduler(model, self.config, self._runner, self.placement, self._drafter, self._output)
         self.compile_seconds = 0.0
         self._started = False
 
     def start(self) -> None:
-        """Compiles every step (warm-up, with progress lines) and starts the engine thread."""
+        """Compiles every step (warm-up, with progress lines) and starts the engine and output threads."""
         if self._started:
             return
-        self.compile_seconds = self._steps.warm_up()
-        if hasattr(self._drafter, "warm_up"):
+        host_seconds = self._warm_up_host_tier()
+        # The warm-up's real runs are steps like any other: the scheduler hands their routing counts on.
+        step_seconds = self._runner.warm_up(after_step=self._scheduler.executor.after_step)
+        self.compile_seconds = host_seconds + step_seconds
+        if self._drafter is not None:
             self._drafter.warm_up()
+        self._output.start()
         self._scheduler.start()
         self._started = True
 
+    def _warm_up_host_tier(self) -> float:
+        """Compiles the host experts' shapes (up to every row a step can route to one expert); returns seconds."""
+        if not self.placement.active:
+            return 0.0
+        t0 = time.monotonic()
+        rows_max = max(self.config.slots * (self.config.draft_k + 1), *self.config.prefill_chunks)
+        self.placement.layers[0].module.host.warm_up(rows_max)
+        print(f"warm-up: host expert kernels (up to {rows_max} rows per expert) ready in "
+              f"{time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+        return time.monotonic() - t0
+
     def shutdown(self) -> None:
+        """Stops the engine thread (requests still running end with an error event), then the output thread."""
         self._scheduler.stop()
+        self._output.stop()
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Queues `request`; returns its event stream. Raises PromptTooLong / ValueError for requests that cannot
@@ -88,13 +111,9 @@ class Engine:
                 if event.finish_reason is None:
                     self.cancel(request_id)
 
-        job = Job(
-            request=request,
-            emit=emit,
-            seed=int(seed) & 0x7FFFFFFF,
-            submitted=time.monotonic(),
-        )
-        self._scheduler.add(job)
+        submitted = time.monotonic()
+        stream = self._output.open(request, emit, submitted)
+        self._scheduler.add(Job(request=request, stream=stream, seed=int(seed) & 0x7FFFFFFF, submitted=submitted))
         return self._stream(request.request_id, queue)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.host import tier as host_tier
-from strata_jax.model.moe import PackedExperts
+from strata_jax.host.pool import HostPool
+from strata_jax.host.tier import HostTier
+from strata_jax.model.moe import QuantizedExperts
 
 _KINDS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
 
@@ -52,7 +53,7 @@ def _write_pool(pool: tuple[jax.Array, ...], slots: jax.Array, rows: tuple[jax.A
 @dataclasses.dataclass
 class _Layer:
     path: tuple
-    module: PackedExperts
+    module: QuantizedExperts
     leaves: dict  # name -> the nnx Variable in the model's state (shared with every step's input)
     slot_of: np.ndarray  # int32 [E]
     expert_in: np.ndarray  # int64 [pool]
@@ -70,12 +71,15 @@ class ExpertPlacement:
         self._leaves = flat
         self.layers: list[_Layer] = []
         for path, node in nnx.iter_graph(model):
-            if isinstance(node, PackedExperts) and node.host is not None:
+            if isinstance(node, QuantizedExperts) and node.host is not None:
                 leaves = {k: flat[path + (k,)] for k in _KINDS + ("slot_of", "counts")}
                 slot_of = np.asarray(leaves["slot_of"].get_value()).astype(np.int32)
                 expert_in = np.full(node.pool_size, -1, np.int64)
                 expert_in[slot_of[slot_of >= 0]] = np.flatnonzero(slot_of >= 0)
                 self.layers.append(_Layer(path, node, leaves, slot_of, expert_in, np.zeros(node.num_experts)))
+        # The layers' tiers compute on their model's one HostPool, whose busy counters `stats` exports (once).
+        pools = [layer.module.host.pool for layer in self.layers if isinstance(layer.module.host, HostTier)]
+        self._pools = list({id(pool): pool for pool in pools}.values())
         self._steps = 0
         self._lock = threading.Lock()
         self._pairs = 0
@@ -164,7 +168,7 @@ class ExpertPlacement:
         host callbacks run and the seconds spent in them."""
         if not self.active:
             return {}
-        host_calls, host_seconds = host_tier.busy()
+        host_calls, host_seconds = _busy(self._pools)
         with self._lock:
             # Plus the counts since the last round (the expert map has not changed since): a small device read.
             pairs, hits = self._pairs, self._hits
@@ -184,3 +188,9 @@ class ExpertPlacement:
                 "host_expert_calls_total": host_calls,
                 "host_expert_seconds_total": host_seconds,
             }
+
+
+def _busy(pools: list[HostPool]) -> tuple[int, float]:
+    """(callbacks run, seconds spent in them) over `pools`."""
+    readings = [pool.busy() for pool in pools]
+    return sum(c for c, _ in readings), sum(s for _, s in readings)

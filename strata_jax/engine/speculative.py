@@ -1,4 +1,4 @@
-"""Speculative decoding: drafters that guess the next tokens on the host, and the on-device acceptance rule.
+"""Speculative decoding: the on-device acceptance rule (the drafters that guess are in drafters.py).
 
 Acceptance keeps the target model's output exactly: greedy slots accept the longest prefix of drafts equal to the
 target's argmax, then add the target's own next token; sampling slots accept draft d with probability p(d) (the
@@ -7,8 +7,6 @@ distributed exactly as p (the request's processed distribution).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,23 +51,3 @@ def accept(
     tokens = jnp.where(idx < n_acc[:, None], padded, jnp.take_along_axis(own, n_acc[:, None], axis=1))
     return n_acc, tokens
 
-
-class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = max_n down to min_n) in the
-    sequence and propose what followed it. Free, and strong on code edits where text is copied back."""
-
-    def __init__(self, k: int = 4, max_n: int = 3, min_n: int = 1, window: int = 8192):
-        self.k, self.max_n, self.min_n, self.window = k, max_n, min_n, window
-
-    def propose(self, history: Sequence[int], limit: int) -> list[int]:
-        """Up to min(k, limit) guessed next tokens for the sequence `history`."""
-        limit = min(self.k, limit)
-        if limit <= 0 or len(history) < 2:
-            return []
-        hist = list(history[-self.window :])
-        for n in range(min(self.max_n, len(hist) - 1), self.min_n - 1, -1):
-            tail = hist[-n:]
-            for start in range(len(hist) - n - 1, -1, -1):
-                if hist[start : start + n] == tail:
-                    return hist[start + n : start + n + limit]
-        return []

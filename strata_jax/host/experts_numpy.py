@@ -1,6 +1,7 @@
 """Routed experts on the host, in numpy, straight from the packed 1-bit bytes (docs/FORMATS.md, "Packed
 expert format"): no float32 copy of any weight matrix is ever made. The reference of the compiled host kernel
-(`strata_jax.host.experts_xla`, the tier's default); weight bits may be packed words or byte-major (`_byte_rows`).
+(`strata_jax.host.experts_xla`, the tier's default); weight bits may be in either layout of the format (packed words
+or byte-major, `pallas_kernels.onebit_format.byte_rows`).
 
 The formulation is a lookup table over bytes of packed signs. A projection with P sign planes is::
 
@@ -40,17 +41,21 @@ import dataclasses
 import functools
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
-WORD_BITS = 32
+from pallas_kernels.activations import silu
+from pallas_kernels.onebit_format import WORD_BITS, PackedExperts, byte_rows, check_pair, unpack_bits
+
 # From this many tokens on one expert, `project_blocked` (BLAS on one unpacked scale group at a time) beats the
 # byte tables (measured crossover ~12 tokens at Flash-Next shapes, numpy 2.4, 2026-11-29: the tables gather up to 4
 # tokens per item, ~0.55 ms per token per expert, against ~4.3 ms + 0.3 ms per token blocked).
 BLOCKED_MIN_TOKENS = 12
-# BITS[v, j] = bit j of v (LSB first): the 0/1 masks of the 256 possible bytes; SIGNS the same as -1/+1.
-_BITS = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1).astype(np.float32)
-_SIGNS = 2.0 * _BITS - 1.0
+# BITS[v, j] = bit j of v (the format's bit order): the 0/1 masks of the 256 possible bytes; BYTE_SIGNS the same as
+# -1/+1 (shared with `strata_jax.host.experts_xla`).
+_BITS = np.ascontiguousarray(unpack_bits(np.arange(256, dtype=np.uint8)[None, :]).T, np.float32)
+BYTE_SIGNS = 2.0 * _BITS - 1.0
 # A gathered table item holds the entries of 1, 2 or 4 tokens side by side (3 is padded to 4); the take copies
 # items bit for bit and never computes on them, so any dtype of that size does.
 _ITEM_DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float64), 4: np.dtype(np.complex128)}
@@ -84,11 +89,11 @@ def _sign_products(x8: np.ndarray) -> np.ndarray:
     """x8 [R, 8] float32 -> [R, 256]: row r, byte value v -> x8[r] . (2 * bits(v) - 1); batched in `_TABLE_ROWS`."""
     r = x8.shape[0]
     if r <= _TABLE_ROWS:
-        return x8 @ _SIGNS.T
+        return x8 @ BYTE_SIGNS.T
     pad = -r % _TABLE_ROWS
     if pad:
         x8 = np.concatenate([x8, np.zeros((pad, 8), x8.dtype)])
-    return (x8.reshape(-1, _TABLE_ROWS, 8) @ _SIGNS.T).reshape(-1, 256)[:r]
+    return (x8.reshape(-1, _TABLE_ROWS, 8) @ BYTE_SIGNS.T).reshape(-1, 256)[:r]
 
 
 def _sign_tables(x: np.ndarray) -> np.ndarray:
@@ -144,29 +149,13 @@ def _index_buffer(planes: int, kw: int, nb: int) -> np.ndarray:
     return _thread_buffer("index", (planes, kw, nb), make)
 
 
-def _byte_rows(bits: np.ndarray) -> np.ndarray:
-    """Weight bits of one expert in either layout -> a uint8 [P, K/32, 4, N] view: entry (p, w, b, n) = byte b of
-    packed word w (inputs 32w + 8b .. 32w + 8b + 7). Accepts packed words uint32 [P, K/32, N] (the checkpoint's
-    layout; strided view) or byte-major uint8 [P, K/8, N] (`strata_jax.host.experts_xla.words_to_bytes`)."""
-    if bits.dtype == np.uint8:
-        planes, rows, n = bits.shape
-        return bits.reshape(planes, rows // 4, 4, n)
-    planes, kw, n = bits.shape
-    return bits.view(np.uint8).reshape(planes, kw, n, 4).transpose(0, 1, 3, 2)
-
-
-def _inputs(bits: np.ndarray) -> int:
-    """K, the input features of packed bits in either layout (`_byte_rows`)."""
-    return bits.shape[-2] * (8 if bits.dtype == np.uint8 else WORD_BITS)
-
-
 def _project_signed(table: np.ndarray, t: int, bits: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
     """`project` from an item table of t <= 4 tokens (`_item_table`) -> y float32 [t, N].
 
     y[t, n] = sum_{p, g} scale[p, g, n] * sum over the bytes c of group g of table[c*256 + byte(p, c, n), t]:
     per column block, one strided byte copy into the preset index array, one take and one reduction over each
     group's bytes, all planes at once."""
-    b4 = _byte_rows(bits)
+    b4 = byte_rows(bits)
     planes, kw, _, n = b4.shape
     tp = table.dtype.itemsize // 4
     rows = kw * 4  # bytes of weights along the input axis
@@ -195,8 +184,8 @@ def project(lut: np.ndarray, xsum: np.ndarray, bits: np.ndarray, scales: np.ndar
     """One expert's projection of T tokens from their byte tables.
 
     lut [T, K/8*256] (`byte_tables`), xsum [T, groups] (sum of x per scale group), bits uint32 [P, K/32, N]
-    (or byte-major, `_byte_rows`), scales [P, groups, N] (any float dtype) -> y float32 [T, N]. (The sums of x are read off the tables, where
-    byte value 255 holds them, so xsum is implied and not used.)"""
+    (or byte-major), scales [P, groups, N] (any float dtype) -> y float32 [T, N]. (The sums of x are read off the
+    tables, where byte value 255 holds them, so xsum is implied and not used.)"""
     del xsum
     return _by_items(_signs_from_lut(lut), np.arange(lut.shape[0]),
                      lambda table, t: _project_signed(table, t, bits, scales, group))
@@ -208,15 +197,14 @@ def project_blocked(x: np.ndarray, xsum: np.ndarray, bits: np.ndarray, scales: n
     with the tokens, where the table gathers grow linearly (crossover ~3 tokens at Flash-Next shapes).
 
     x [T, K] float32, xsum [T, groups], bits uint32 [P, K/32, N], scales [P, groups, N] -> y float32 [T, N]."""
-    b4 = _byte_rows(bits)
+    b4 = byte_rows(bits)
     planes, kw, _, n = b4.shape
     wpg = group // WORD_BITS
     y = np.zeros((x.shape[0], n), np.float32)
     for p in range(planes):
         for g, w0 in enumerate(range(0, kw, wpg)):
             w1 = min(kw, w0 + wpg)
-            ones = np.unpackbits(b4[p, w0:w1, :, :, None], axis=-1, bitorder="little")  # [words, 4, n, 8]
-            block = ones.transpose(0, 1, 3, 2).reshape((w1 - w0) * WORD_BITS, n).astype(np.float32)
+            block = unpack_bits(b4[p, w0:w1].reshape((w1 - w0) * 4, n)).astype(np.float32)  # [group, n]
             masked = x[:, w0 * WORD_BITS : w1 * WORD_BITS] @ block
             y += scales[p, g].astype(np.float32) * (2.0 * masked - xsum[:, g : g + 1])
     return y
@@ -227,27 +215,25 @@ def group_sums(x: np.ndarray, group: int) -> np.ndarray:
     return np.add.reduceat(x, np.arange(0, x.shape[1], group), axis=1)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
-
-
 @dataclasses.dataclass(frozen=True)
-class PackedStack:
-    """One MoE layer's packed experts as host numpy arrays (all E experts; possibly memory maps)."""
+class NumpyStack:
+    """One MoE layer's experts for the numpy kernel: its gate_up and down stacks as numpy arrays (possibly memory
+    maps; bits in either layout). Not a second format: two `PackedExperts` of the one format, paired with the numpy
+    kernel's compute."""
 
-    gate_up_bits: np.ndarray  # uint32 [E, P, H/32, 2I], or byte-major uint8 [E, P, H/8, 2I] (`_byte_rows`)
-    gate_up_scales: np.ndarray  # bf16 [E, P, ceil(H/g), 2I]
-    down_bits: np.ndarray  # uint32 [E, P, I/32, H]
-    down_scales: np.ndarray  # bf16 [E, P, ceil(I/g), H]
-    group: int
+    gate_up: PackedExperts  # [E, 2I, H]: gate = first I outputs
+    down: PackedExperts  # [E, H, I]
+
+    def __post_init__(self):
+        check_pair(self.gate_up, self.down)
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up_bits.shape[0]
+        return self.gate_up.num_experts
 
     @property
     def hidden(self) -> int:
-        return self.down_bits.shape[-1]
+        return self.down.out_features
 
     def expert_output(self, e: int, x: np.ndarray, lut: np.ndarray, xsum: np.ndarray) -> np.ndarray:
         """down_e(silu(gate_e x) * up_e x) for rows x [T, H] (with their gate_up tables) -> [T, H] float32.
@@ -258,22 +244,25 @@ class PackedStack:
 
     def _table_output(self, e: int, table: np.ndarray, t: int) -> np.ndarray:
         """The byte-table path for t <= 4 rows from their gate_up item table (`_item_table`)."""
-        inter = _inputs(self.down_bits)
-        g = self.group
-        gu = _project_signed(table, t, self.gate_up_bits[e], self.gate_up_scales[e], g)
+        gu_w, dn_w = self.gate_up, self.down
+        inter = dn_w.in_features
+        gu = _project_signed(table, t, gu_w.bits[e], gu_w.scales[e], gu_w.group)
         act = silu(gu[:, :inter]) * gu[:, inter:]
-        return _project_signed(_item_table(_sign_tables(act), np.arange(t)), t, self.down_bits[e], self.down_scales[e],
-                               g)
+        return _project_signed(_item_table(_sign_tables(act), np.arange(t)), t, dn_w.bits[e], dn_w.scales[e],
+                               dn_w.group)
 
     def _blocked_output(self, e: int, x: np.ndarray, xsum: np.ndarray) -> np.ndarray:
-        inter = _inputs(self.down_bits)
-        g = self.group
-        gu = project_blocked(x, xsum, self.gate_up_bits[e], self.gate_up_scales[e], g)
+        gu_w, dn_w = self.gate_up, self.down
+        inter = dn_w.in_features
+        gu = project_blocked(x, xsum, gu_w.bits[e], gu_w.scales[e], gu_w.group)
         act = silu(gu[:, :inter]) * gu[:, inter:]
-        return project_blocked(act, group_sums(act, g), self.down_bits[e], self.down_scales[e], g)
+        return project_blocked(act, group_sums(act, dn_w.group), dn_w.bits[e], dn_w.scales[e], dn_w.group)
 
 
-def expert_tasks(ids: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+Task = tuple[int, np.ndarray, np.ndarray]  # (expert, its token rows [t], their weights float32 [t, 1])
+
+
+def expert_tasks(ids: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> list[Task]:
     """The masked pairs of ids/weights/mask [T, k] grouped by expert: [(expert, its token rows [t], weights float32
     [t, 1])], experts ascending, rows ascending within an expert."""
     t_idx, j_idx = np.nonzero(mask)
@@ -286,7 +275,7 @@ def expert_tasks(ids: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> list
 
 
 def host_experts(
-    stack: PackedStack,
+    stack: NumpyStack,
     x: np.ndarray,
     ids: np.ndarray,
     weights: np.ndarray,
@@ -313,11 +302,18 @@ def host_experts(
         rows = local[ts]
         if rows.size >= BLOCKED_MIN_TOKENS:
             xe = xr[rows]
-            return ts, w * stack._blocked_output(e, xe, group_sums(xe, stack.group))
+            return ts, w * stack._blocked_output(e, xe, group_sums(xe, stack.gate_up.group))
         y = _by_items(tables, rows, functools.partial(stack._table_output, e))
         y *= w
         return ts, y
 
+    return run_tasks(run, tasks, out, pool)
+
+
+def run_tasks(run: Callable[[Task], tuple[np.ndarray, np.ndarray]], tasks: list[Task], out: np.ndarray,
+              pool: concurrent.futures.Executor | None) -> np.ndarray:
+    """Runs `run` on every task of `expert_tasks` (on `pool` when given and there are several) and adds each result,
+    (token rows, their outputs), into `out`."""
     results = pool.map(run, tasks) if pool is not None and len(tasks) > 1 else map(run, tasks)
     for ts, y in results:
         out[ts] += y  # a token routes to an expert at most once

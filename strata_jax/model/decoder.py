@@ -16,7 +16,7 @@ from strata_jax.model.cache import LayerCache, ModelCache
 from strata_jax.model.deltanet import DeltaNetReplay, GatedDeltaNet, replay_deltanet
 from strata_jax.model.hyper import HyperConnection, inject
 from strata_jax.model.layers import MLP, Embedding, Linear, RMSNorm
-from strata_jax.model.moe import SparseMoe
+from strata_jax.model.moe import HostExpertsFactory, SparseMoe
 from strata_jax.model.ple import PleLayer, replay_ple
 
 
@@ -29,6 +29,7 @@ class DecoderLayer(nnx.Module):
         linear: bool,
         has_ple: bool,
         quant: ExpertQuantization | None = None,
+        host_experts: HostExpertsFactory | None = None,
     ):
         self.cfg = cfg
         self.linear = linear
@@ -38,7 +39,7 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype)
         self.sparse = index not in cfg.dense_mlp_layers
         if self.sparse:
-            self.mlp = SparseMoe(cfg, dtype, quant)
+            self.mlp = SparseMoe(cfg, dtype, quant, host_experts)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
         self.ple = PleLayer(cfg, dtype) if has_ple else None
@@ -118,12 +119,13 @@ def rollback(before: ModelCache, after: ModelCache, replays: tuple[LayerReplay, 
 class TextModel(nnx.Module):
     """The `model.*` (or `model.language_model.*`) part of a checkpoint."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None,
+                 host_experts: HostExpertsFactory | None = None):
         self.cfg = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nnx.List(
             [
-                DecoderLayer(cfg, i, dtype, cfg.layer_is_linear(i), i in cfg.ple_layers, quant)
+                DecoderLayer(cfg, i, dtype, cfg.layer_is_linear(i), i in cfg.ple_layers, quant, host_experts)
                 for i in range(cfg.num_layers)
             ]
         )
@@ -171,13 +173,15 @@ class Mtp(nnx.Module):
     input is copied into every stream and the streams are averaged after the layer (our convention: the reference
     implementation does not run an MTP head for qwen4_exp)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None,
+                 host_experts: HostExpertsFactory | None = None):
         self.cfg = cfg
         h = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.fc = Linear(2 * h, h, dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, -1, dtype, linear=False, has_ple=False, quant=quant)])
+        self.layers = nnx.List([DecoderLayer(cfg, -1, dtype, linear=False, has_ple=False, quant=quant,
+                                             host_experts=host_experts)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
 
     def __call__(
@@ -195,16 +199,22 @@ class Mtp(nnx.Module):
 
 class CausalLM(nnx.Module):
     """Text model + LM head (+ MTP when the checkpoint has `mtp.*` weights). With `quant`, routed experts are
-    packed sign bit-planes instead of dense weights."""
+    packed sign bit-planes instead of dense weights; with a device pool smaller than the experts
+    (`quant.gpu_experts`), `host_experts` builds each MoE layer's host compute for the others."""
 
     def __init__(
-        self, cfg: ModelConfig, dtype: jnp.dtype, with_mtp: bool = False, quant: ExpertQuantization | None = None
+        self,
+        cfg: ModelConfig,
+        dtype: jnp.dtype,
+        with_mtp: bool = False,
+        quant: ExpertQuantization | None = None,
+        host_experts: HostExpertsFactory | None = None,
     ):
         self.cfg = cfg
-        self.model = TextModel(cfg, dtype, quant)
+        self.model = TextModel(cfg, dtype, quant, host_experts)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
-        self.mtp = Mtp(cfg, dtype, quant) if with_mtp else None
+        self.mtp = Mtp(cfg, dtype, quant, host_experts) if with_mtp else None
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden [.., H] -> float32 logits [.., V]."""

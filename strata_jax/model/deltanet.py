@@ -9,11 +9,12 @@ from flax import nnx
 
 from flax import struct
 
+from pallas_kernels.activations import silu
 from pallas_kernels.delta_rule import gated_delta_decode, split_qkv
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import DeltaNetCache
 from strata_jax.model.conv import advance_tail, causal_conv
-from strata_jax.model.layers import DepthwiseConvWeight, GatedRMSNorm, Linear, silu
+from strata_jax.model.layers import DepthwiseConvWeight, GatedRMSNorm, Linear
 from strata_jax.model.params import empty_param
 
 CHUNK = 64

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.activations import silu
 from pallas_kernels.hyper_mix import hyper_mix
 from pallas_kernels.hyper_mix import inject as inject
 from strata_jax.model.config import ModelConfig
@@ -34,7 +35,7 @@ def prefold_mix(streams, gamma, w_proj, w_up, pending=None, *, hc: int, eps: flo
     unit = (x * scale).astype(dtype).reshape(streams.shape)
     proj = jnp.einsum("...i,oi->...o", unit.astype(w_proj.dtype), w_proj).astype(f32)
     v = (proj[..., :rank] / hc).astype(dtype)
-    act = v * jax.nn.sigmoid(v)
+    act = silu(v)
     mix = jax.nn.sigmoid(jnp.einsum("...r,or->...o", act.astype(w_up.dtype), w_up)).reshape(x.shape)
     normed = (x * scale * (1 + gamma.astype(f32)).reshape(hc, hidden)).astype(dtype)
     mixed = jnp.mean(mix * normed, axis=-2).astype(dtype)

@@ -10,11 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.activations import silu
 from strata_jax.model.params import empty_param
-
-
-def silu(x: jax.Array) -> jax.Array:
-    return x * jax.nn.sigmoid(x)
 
 
 class Linear(nnx.Module):

@@ -1,10 +1,13 @@
 """Sparse MoE block: softmax router, top-k (renormalised), routed experts and a sigmoid-gated shared expert.
 
 Packed experts may be split between a fixed-size device pool and the host (`ExpertQuantization.gpu_experts`):
-see `PackedExperts` and docs/FORMATS.md, "Host tier".
+see `QuantizedExperts` and docs/FORMATS.md, "Host tier". The host's compute is handed in (`HostExperts`): this
+module imports nothing of `strata_jax.host`.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +15,34 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import PackedWeights, moe_experts_1bit
+from pallas_kernels import PackedExperts, moe_experts_1bit
+from pallas_kernels.activations import silu
 from strata_jax.model.config import ExpertQuantization, ModelConfig
-from strata_jax.host.tier import HostTier
-from strata_jax.model.layers import MLP, Linear, silu
+from strata_jax.model.layers import MLP, Linear
 from strata_jax.model.params import empty_param
+
+
+class HostExperts(Protocol):
+    """What a `QuantizedExperts` layer with a device pool needs from the host (`strata_jax.host.tier.HostTier`):
+    every expert's packed arrays in host memory, rows of them for the pool, and the callback for host pairs. Array
+    names are "gate_up_bits", "gate_up_scales", "down_bits", "down_scales", in the checkpoint's layout."""
+
+    def set(self, name: str, array: np.ndarray) -> None:
+        """Sets one array of all E experts."""
+
+    def rows(self, name: str, experts: np.ndarray) -> np.ndarray:
+        """Experts' rows of one array, as `set` took it (placement copies them into the pool)."""
+
+    def compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """sum over mask[t, j] of weights[t, j] * expert ids[t, j] (x[t]) -> float32 [T, H]."""
+
+    def warm_up(self, max_rows: int) -> None:
+        """Prepares the host kernels for up to `max_rows` rows per expert."""
+
+
+# Builds one layer's `HostExperts` from its scale group; called for every layer that has a device pool.
+HostExpertsFactory = Callable[[int], HostExperts]
+
 
 class ExpertSlots(nnx.Variable):
     """int32 [E]: the device pool slot of each expert, -1 for experts computed on the host."""
@@ -100,16 +126,16 @@ class Experts(nnx.Module):
         return experts_reference(x, ids, weights, self.gate_up_proj[...], self.down_proj[...])
 
 
-class PackedExperts(nnx.Module):
+class QuantizedExperts(nnx.Module):
     """Routed experts as packed sign bit-planes + bf16 group scales, multiplied by `pallas_kernels`.
 
     With `quant.gpu_experts` below the number of experts, the four arrays hold a device pool of that many expert
-    slots, `slot_of` maps experts to slots (-1: on the host) and `host` keeps every expert's packed bytes in host
-    memory. A step then runs the pool's pairs through the kernel (host pairs weighted 0 there) and all host pairs of
-    the layer through one host callback, and counts routing per expert in `counts` (for hot-expert placement).
-    Without a pool the code path is exactly the all-on-device one."""
+    slots, `slot_of` maps experts to slots (-1: on the host) and `host` (built by `host_experts`) keeps every
+    expert's packed bytes in host memory. A step then runs the pool's pairs through the kernel (host pairs weighted
+    0 there) and all host pairs of the layer through one host callback, and counts routing per expert in `counts`
+    (for hot-expert placement). Without a pool the code path is exactly the all-on-device one."""
 
-    def __init__(self, cfg: ModelConfig, quant: ExpertQuantization):
+    def __init__(self, cfg: ModelConfig, quant: ExpertQuantization, host_experts: HostExpertsFactory | None = None):
         e, i, h, p, g = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, quant.planes, quant.group
         self.quant = quant
         self.num_experts = e
@@ -119,7 +145,9 @@ class PackedExperts(nnx.Module):
         self.gate_up_scales = empty_param((pool, p, -(-h // g), 2 * i), jnp.bfloat16)
         self.down_bits = empty_param((pool, p, i // 32, h), jnp.uint32)
         self.down_scales = empty_param((pool, p, -(-i // g), h), jnp.bfloat16)
-        self.host = HostTier(g) if pool < e else None
+        if pool < e and host_experts is None:
+            raise ValueError(f"{pool} of {e} experts in the device pool: the others need host_experts")
+        self.host = host_experts(g) if pool < e else None
         if self.host is not None:
             self.slot_of = ExpertSlots(_initial_slots(e, pool))
             self.counts = RoutingCounts(jnp.zeros((e,), jnp.int32))
@@ -147,8 +175,8 @@ class PackedExperts(nnx.Module):
         """x [N, H], ids/weights [N, k]; `valid` (bool [N], default all) marks the real tokens: padding and idle
         slots neither count as routing nor cost host work."""
         g = self.quant.group
-        gate_up = PackedWeights(self.gate_up_bits[...], self.gate_up_scales[...], g)
-        down = PackedWeights(self.down_bits[...], self.down_scales[...], g)
+        gate_up = PackedExperts(self.gate_up_bits[...], self.gate_up_scales[...], g)
+        down = PackedExperts(self.down_bits[...], self.down_scales[...], g)
         if self.host is None:
             return moe_experts_1bit(x, ids, weights, gate_up, down, impl=self.quant.impl)
         if valid is None:
@@ -193,10 +221,11 @@ class Router(nnx.Module):
 
 
 class SparseMoe(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None,
+                 host_experts: HostExpertsFactory | None = None):
         self.cfg = cfg
         self.gate = Router(cfg, dtype)
-        self.experts = Experts(cfg, dtype) if quant is None else PackedExperts(cfg, quant)
+        self.experts = Experts(cfg, dtype) if quant is None else QuantizedExperts(cfg, quant, host_experts)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype)
 

@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.activations import silu
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import PleCache
 from strata_jax.model.conv import advance_tail, causal_conv
-from strata_jax.model.layers import DepthwiseConvWeight, Linear, RMSNorm, silu
+from strata_jax.model.layers import DepthwiseConvWeight, Linear, RMSNorm
 
 
 class PleLayer(nnx.Module):

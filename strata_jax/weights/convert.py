@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 
 from strata_jax.model.config import ExpertQuantization, ModelConfig, load_config
 from strata_jax.model.decoder import CausalLM
-from strata_jax.model.moe import PackedExperts
+from strata_jax.model.moe import QuantizedExperts
 from strata_jax.weights.loader import _read, has_mtp
 from strata_jax.weights.onebit import quantize_experts
 from strata_jax.weights.safetensors_io import CheckpointError, CheckpointReader
@@ -60,7 +60,7 @@ def _part_of(path: tuple) -> str:
 
 def plan_parts(model: nnx.Module) -> dict[str, list]:
     """Parameter paths grouped by part; packed-expert modules appear once, as (path, module)."""
-    packed = {p: n for p, n in nnx.iter_graph(model) if isinstance(n, PackedExperts)}
+    packed = {p: n for p, n in nnx.iter_graph(model) if isinstance(n, QuantizedExperts)}
     parts: dict[str, list] = defaultdict(list)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param) and path[:-1] not in packed:
@@ -74,7 +74,7 @@ def _convert_part(entries, cfg: ModelConfig, reader: CheckpointReader, dtype) ->
     out = {}
     for path, node in entries:
         name = ".".join(str(p) for p in path)
-        if isinstance(node, PackedExperts):
+        if isinstance(node, QuantizedExperts):
             e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
             for kind, shape in (("gate_up", (e, 2 * i, h)), ("down", (e, h, i))):
                 dense = _read(reader, cfg, f"{name}.{kind}_proj", shape).astype(np.float32)
@@ -154,13 +154,13 @@ def restore_params(model: nnx.Module, path: Path) -> None:
             name = ".".join(str(x) for x in p)
             names = (
                 [f"{name}.{k}" for k in ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")]
-                if isinstance(node, PackedExperts)
+                if isinstance(node, QuantizedExperts)
                 else [name]
             )
             for n in names:
                 if n not in arrays:
                     raise CheckpointError(f"tensor {n!r} not found in {target}")
-            if isinstance(node, PackedExperts):
+            if isinstance(node, QuantizedExperts):
                 for k in ("gate_up", "down"):
                     node.load(k, arrays[f"{name}.{k}_bits"], arrays[f"{name}.{k}_scales"])
             else:

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.moe import PackedExperts
+from strata_jax.model.moe import QuantizedExperts
 from strata_jax.model.ple_hash import PleTable
 from strata_jax.weights.onebit import quantize_experts
 from strata_jax.weights.safetensors_io import CheckpointError, CheckpointReader
@@ -69,7 +69,7 @@ def fill_params(model: nnx.Module, cfg: ModelConfig, reader: CheckpointReader, d
     """Replaces every (abstract) parameter of `model` with the checkpoint's tensor, converted to `dtype`.
 
     Packed expert modules are filled by quantizing the checkpoint's dense experts (one layer at a time)."""
-    packed = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, PackedExperts)}
+    packed = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, QuantizedExperts)}
     params = [
         (path, node)
         for path, node in nnx.iter_graph(model)

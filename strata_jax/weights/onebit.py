@@ -1,19 +1,11 @@
-"""Packed 1-bit / multi-plane expert weights and their numpy quantizer.
+"""The numpy quantizer of the packed 1-bit / multi-plane expert format (`pallas_kernels.onebit_format`, which holds
+the type, the layout and the bit packing; docs/FORMATS.md, "Packed expert format").
 
 A weight matrix ``w [out, in]`` (one expert's ``gate_up_proj`` or ``down_proj``, HF orientation) is
 approximated by ``P`` residual bit-planes::
 
     w[n, k] ~= sum_p  scale[p, g(k), n] * sign[p, k, n]      sign = +1 where the bit is 1, -1 where 0
                                                              g(k) = k // group
-
-The exact on-disk / in-memory layout (documented in ``docs/FORMATS.md``, "Packed expert format"):
-
-* ``bits``   uint32 ``[E, P, in/32, out]``: word ``w`` of (expert, plane, output channel ``n``) holds
-  the signs of inputs ``32*w .. 32*w+31``; input ``32*w + j`` is bit ``j`` (LSB first, i.e.
-  ``(word >> j) & 1``). Output channels are the fastest axis, so a kernel tile of ``[words, outputs]``
-  is one coalesced row of 4-byte words per input word.
-* ``scales`` bfloat16 ``[E, P, ceil(in/group), out]``: one scale per (input group, output channel,
-  plane). The last group may be short when ``in % group != 0`` (e.g. ``in = 640, group = 256``).
 
 Scales are the closed-form squared-error optimum for fixed signs, ``mean(|r|)`` over the group
 (``r`` = what the previous planes left), rounded to bf16 *before* the next plane is fitted, so later
@@ -27,73 +19,14 @@ is not part of the format. The sign bit is 1 where the residual's float sign bit
 
 from __future__ import annotations
 
-import dataclasses
-
-import ml_dtypes
 import numpy as np
 
-BF16 = ml_dtypes.bfloat16
-WORD_BITS = 32
+from pallas_kernels.onebit_format import BF16, WORD_BITS, PackedExperts, num_groups, pack_signs, unpack_bits
+
 # Default alternating-refit rounds per plane count (measured, docs/FORMATS.md): 1 plane has
 # nothing to refit; for 2-4 planes 8 rounds cut the relative error by 6-16% (Gaussian) and 15-34%
 # (heavy-tailed) over greedy residual fitting, at ~7x the greedy quantization time.
 DEFAULT_REFIT_ROUNDS = {1: 0, 2: 8, 3: 8, 4: 8}
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedExperts:
-    """Sign bit-planes packed along the input dimension + bf16 per-group scales (numpy arrays)."""
-
-    bits: np.ndarray  # uint32 [E, P, in // 32, out]
-    scales: np.ndarray  # bfloat16 [E, P, ceil(in / group), out]
-    group: int
-
-    def __post_init__(self):
-        if self.bits.dtype != np.uint32 or self.bits.ndim != 4:
-            raise ValueError(f"bits must be uint32 [E, P, in/32, out], got {self.bits.dtype} {self.bits.shape}")
-        if self.scales.dtype != BF16 or self.scales.ndim != 4:
-            raise ValueError(f"scales must be bfloat16 [E, P, groups, out], got {self.scales.dtype} {self.scales.shape}")
-        e, p, kw, n = self.bits.shape
-        if self.group % WORD_BITS or self.group <= 0:
-            raise ValueError(f"group must be a positive multiple of 32, got {self.group}")
-        if self.scales.shape != (e, p, num_groups(kw * WORD_BITS, self.group), n):
-            raise ValueError(f"scales shape {self.scales.shape} does not match bits {self.bits.shape} / group {self.group}")
-
-    @property
-    def num_experts(self) -> int:
-        return self.bits.shape[0]
-
-    @property
-    def planes(self) -> int:
-        return self.bits.shape[1]
-
-    @property
-    def in_features(self) -> int:
-        return self.bits.shape[2] * WORD_BITS
-
-    @property
-    def out_features(self) -> int:
-        return self.bits.shape[3]
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """The dense shape [E, out, in] these planes approximate."""
-        return (self.num_experts, self.out_features, self.in_features)
-
-    @property
-    def nbytes(self) -> int:
-        return self.bits.nbytes + self.scales.nbytes
-
-    def bytes_per_expert(self) -> int:
-        return self.nbytes // self.num_experts
-
-    def expert(self, e: int) -> "PackedExperts":
-        """One expert's planes as a PackedExperts with E = 1 (views, no copy)."""
-        return PackedExperts(self.bits[e : e + 1], self.scales[e : e + 1], self.group)
-
-
-def num_groups(in_features: int, group: int) -> int:
-    return -(-in_features // group)
 
 
 def _group_sizes(in_features: int, group: int) -> np.ndarray:
@@ -125,23 +58,6 @@ def _fit_plane(r: np.ndarray, inv_count: np.ndarray, approx: np.ndarray, k_last:
     if k_last < r.shape[-1]:
         approx[..., -1, k_last:] = 0.0
     return ~np.signbit(r), s
-
-
-def _pack_signs(pos: np.ndarray) -> np.ndarray:
-    """pos bool [e, out, in] -> uint32 [e, in/32, out], bit j of word w = input 32*w + j."""
-    e, n, k = pos.shape
-    b = pos.reshape(e, n, k // WORD_BITS, WORD_BITS).transpose(0, 2, 1, 3)  # [e, kw, out, 32]
-    by = np.packbits(b, axis=-1, bitorder="little")  # [e, kw, out, 4] uint8, byte i = bits 8i..8i+7
-    return np.ascontiguousarray(by).view("<u4")[..., 0].astype(np.uint32, copy=False)
-
-
-def _unpack_signs(bits: np.ndarray) -> np.ndarray:
-    """uint32 [..., kw, out] -> float32 signs (+1/-1) [..., out, kw*32]."""
-    *lead, kw, n = bits.shape
-    by = np.ascontiguousarray(bits.astype("<u4")).view(np.uint8).reshape(*lead, kw, n, 4)
-    b = np.unpackbits(by, axis=-1, bitorder="little")  # [..., kw, out, 32]
-    b = np.moveaxis(b, -3, -2).reshape(*lead, n, kw * WORD_BITS)  # [..., out, in]
-    return b.astype(np.float32) * 2.0 - 1.0
 
 
 def quantize_experts(
@@ -191,7 +107,7 @@ def quantize_experts(
                 r -= approx[p]
         ee = r.shape[0]
         for p, (pos, s) in enumerate(fit):
-            bits[e0 : e0 + ee, p] = _pack_signs(pos.reshape(ee, n, -1)[..., :k])
+            bits[e0 : e0 + ee, p] = pack_signs(pos.reshape(ee, n, -1)[..., :k])
             scales[e0 : e0 + ee, p] = np.swapaxes(s, 1, 2)
     return PackedExperts(bits=bits, scales=scales, group=group)
 
@@ -202,7 +118,7 @@ def dequantize_experts(packed: PackedExperts, planes: int | None = None) -> np.n
     k = packed.in_features
     out = np.zeros(packed.shape, np.float32)
     for p in range(p_used):
-        signs = _unpack_signs(packed.bits[:, p])  # [E, out, in]
+        signs = np.swapaxes(unpack_bits(packed.bits[:, p]), 1, 2).astype(np.float32) * 2.0 - 1.0  # [E, out, in]
         s = np.swapaxes(packed.scales[:, p].astype(np.float32), 1, 2)  # [E, out, groups]
         out += signs * np.repeat(s, _group_sizes(k, packed.group), axis=-1)
     return out

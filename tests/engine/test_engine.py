@@ -150,8 +150,8 @@ def test_stop_token_and_stop_string(engine, model):
 
 def test_bf16_cache_on_a_float32_model(model):
     eng = Engine(model, EngineConfig(slots=2, max_context=64, prefill_chunks=(16,), cache_dtype="bfloat16"))
-    assert eng._steps.cache.layers[3].mixer.k.dtype == np.dtype("bfloat16")
-    assert eng._steps.cache.layers[0].mixer.state.dtype == np.float32
+    assert eng._runner.cache.layers[3].mixer.k.dtype == np.dtype("bfloat16")
+    assert eng._runner.cache.layers[0].mixer.state.dtype == np.float32
     eng.start()
     try:
         p = _prompt(20, 10)
@@ -164,7 +164,7 @@ def test_bf16_cache_on_a_float32_model(model):
 
 
 def test_a_failing_step_fails_running_requests_and_the_engine_recovers(engine, model, monkeypatch):
-    steps = engine._steps
+    steps = engine._runner
     real = steps.decode
     calls = {"n": 0}
 

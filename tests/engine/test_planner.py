@@ -32,7 +32,7 @@ SERVE = EngineConfig(slots=4, max_context=32768)
 #   gate_up bits 2560/32 words x 1280 outputs x 4 B = 409,600; scales 2560/128 x 1280 x 2 B = 51,200
 #   down    bits  640/32 words x 2560 outputs x 4 B = 204,800; scales  640/128 x 2560 x 2 B = 25,600
 EXPERT_BYTES = 409_600 + 51_200 + 204_800 + 25_600  # 691,200 B
-ALL_EXPERTS = EXPERT_BYTES * 512 * 48  # 16.99e9 B: DESIGN.md's "~17 GB at one plane plus scales"
+ALL_EXPERTS = EXPERT_BYTES * 512 * 48  # 16.99e9 B: docs/ARCHITECTURE.md, "~17 GB at one plane plus scales"
 EXPERT_SLOT = EXPERT_BYTES * 48  # one more expert per layer, in every layer: 31.64 MiB
 
 

@@ -13,7 +13,8 @@ import pytest
 import strata_jax
 from conftest import FIXTURES
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from strata_jax.engine.speculative import NgramDrafter, accept
+from strata_jax.engine.drafters import NgramDrafter
+from strata_jax.engine.speculative import accept
 
 
 def _accept_many(logits, drafts, n_drafts, temperature, seeds):
@@ -53,10 +54,10 @@ def test_greedy_acceptance_is_the_longest_matching_prefix():
 
 def test_ngram_drafter_continues_the_latest_match():
     d = NgramDrafter(k=3)
-    assert d.propose([5, 6, 7, 8, 1, 5, 6, 7], 10) == [8, 1, 5]
-    assert d.propose([5, 6, 7, 8, 1, 5, 6, 7], 2) == [8, 1]
-    assert d.propose([1, 2, 3], 4) == []
-    assert d.propose([9, 1, 2, 9, 3, 9], 4) == [3, 9]  # longest n first, then the latest occurrence
+    assert d.propose_one([5, 6, 7, 8, 1, 5, 6, 7], 10) == [8, 1, 5]
+    assert d.propose_one([5, 6, 7, 8, 1, 5, 6, 7], 2) == [8, 1]
+    assert d.propose_one([1, 2, 3], 4) == []
+    assert d.propose_one([9, 1, 2, 9, 3, 9], 4) == [3, 9]  # longest n first, then the latest occurrence
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,13 @@ class OracleDrafter:
     def __init__(self, answers: dict[tuple[int, ...], list[int]], k: int):
         self.answers, self.k, self.calls = answers, k, 0
 
-    def propose(self, history, limit):
+    def propose(self, requests):
+        return {slot: self._guess(r.history, r.limit) for slot, r in requests.items()}
+
+    def warm_up(self):
+        pass
+
+    def _guess(self, history, limit):
         self.calls += 1
         for prompt, answer in self.answers.items():
             if tuple(history[: len(prompt)]) == prompt:
@@ -141,14 +148,14 @@ def test_mtp_drafting_is_exact_and_drafts_match_the_mtp_head(name):
     cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(8, 32), prefix_cache_mib=0, draft="mtp", draft_k=3)
     eng = Engine(model, cfg)
     seen = []
-    real_prefill = eng._steps.prefill
+    real_prefill = eng._runner.prefill
 
     def spy(*args, **kwargs):
-        token, drafts = real_prefill(*args, **kwargs)
-        seen.append((token, list(drafts)))
-        return token, drafts
+        out = real_prefill(*args, **kwargs)
+        seen.append((out.token, list(out.drafts)))
+        return out
 
-    eng._steps.prefill = spy
+    eng._runner.prefill = spy
     eng.start()
     try:
         results = _run(eng, prompts, 10)

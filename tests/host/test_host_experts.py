@@ -9,9 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import PackedWeights, moe_experts_1bit_reference
+from pallas_kernels import PackedExperts, moe_experts_1bit_reference
 from strata_jax.host.experts_numpy import (
-    PackedStack,
+    NumpyStack,
     byte_tables,
     group_sums,
     host_experts,
@@ -24,6 +24,11 @@ def _packed(rng, e, p, k, n, g):
     bits = rng.integers(0, 2**32, (e, p, k // 32, n), dtype=np.uint64).astype(np.uint32)
     scales = rng.uniform(0.01, 0.05, (e, p, -(-k // g), n)).astype(ml_dtypes.bfloat16)
     return bits, scales
+
+
+def numpy_stack(gb, gs, db, ds, group, layout="words") -> NumpyStack:
+    """A layer's numpy host stack from its four arrays (bits in `layout`)."""
+    return NumpyStack(PackedExperts(gb, gs, group, layout), PackedExperts(db, ds, group, layout))
 
 
 def _dense64(bits, scales, g):
@@ -71,7 +76,7 @@ def reference_case(e, planes, hidden, inter, group, tokens, k):
 @pytest.mark.parametrize("e,planes,hidden,inter,group,tokens,k", REFERENCE_CASES)
 def test_matches_float64_reference(e, planes, hidden, inter, group, tokens, k):
     (gb, gs, db, ds), x, ids, w, mask, ref = reference_case(e, planes, hidden, inter, group, tokens, k)
-    stack = PackedStack(gb, gs, db, ds, group)
+    stack = numpy_stack(gb, gs, db, ds, group)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         got = host_experts(stack, x, ids, w, mask, pool)
     assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
@@ -80,7 +85,7 @@ def test_matches_float64_reference(e, planes, hidden, inter, group, tokens, k):
     full = host_experts(stack, x, ids, w, np.ones_like(mask))
     kref = moe_experts_1bit_reference(
         jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w),
-        PackedWeights(jnp.asarray(gb), jnp.asarray(gs), group), PackedWeights(jnp.asarray(db), jnp.asarray(ds), group),
+        PackedExperts(jnp.asarray(gb), jnp.asarray(gs), group), PackedExperts(jnp.asarray(db), jnp.asarray(ds), group),
     )
     np.testing.assert_allclose(full, np.asarray(kref), rtol=1e-4, atol=1e-5 * np.abs(full).max())
 
@@ -112,7 +117,7 @@ def test_table_projection_token_counts(tokens, planes, k, n, group):
     # Whole expert, all tokens on expert 0 (table path while tokens < BLOCKED_MIN_TOKENS).
     gb, gs = _packed(rng, 1, planes, k, 2 * 64, group)
     db, ds = _packed(rng, 1, planes, 64, k, group)
-    stack = PackedStack(gb, gs, db, ds, group)
+    stack = numpy_stack(gb, gs, db, ds, group)
     ids = np.zeros((tokens, 1), np.int32)
     w = rng.uniform(size=(tokens, 1)).astype(np.float32)
     mask = np.ones((tokens, 1), bool)
@@ -127,7 +132,7 @@ def test_no_pairs_gives_zeros():
     rng = np.random.default_rng(1)
     gb, gs = _packed(rng, 3, 1, 64, 64, 64)
     db, ds = _packed(rng, 3, 1, 32, 64, 64)
-    stack = PackedStack(gb, gs, db, ds, 64)
+    stack = numpy_stack(gb, gs, db, ds, 64)
     out = host_experts(stack, np.ones((2, 64), np.float32), np.zeros((2, 1), np.int32), np.ones((2, 1)),
                        np.zeros((2, 1), bool))
     assert out.shape == (2, 64) and not out.any()

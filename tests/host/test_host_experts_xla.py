@@ -8,15 +8,18 @@ import concurrent.futures
 import jax
 import numpy as np
 import pytest
-from test_host_experts import REFERENCE_CASES, _dense64, _packed, _reference64, reference_case
+from test_host_experts import REFERENCE_CASES, _dense64, _packed, _reference64, numpy_stack, reference_case
 
+from pallas_kernels.onebit_format import PackedExperts, bytes_to_words, words_to_bytes
 from strata_jax.host import tier as host_tier
-from strata_jax.host.experts_numpy import PackedStack, host_experts
-from strata_jax.host.experts_xla import DENSE_MIN_TOKENS, XlaStack, bytes_to_words, host_experts_xla, words_to_bytes
+from strata_jax.host.experts_numpy import NumpyStack, host_experts
+from strata_jax.host.experts_xla import DENSE_MIN_TOKENS, XlaStack, host_experts_xla
+from strata_jax.host.pool import KERNELS, HostPool
 
 
 def _xla_stack(gb, gs, db, ds, group):
-    return XlaStack(*(jax.device_put(a) for a in (words_to_bytes(gb), gs, words_to_bytes(db), ds)), group=group)
+    gb, gs, db, ds = (jax.device_put(a) for a in (words_to_bytes(gb), gs, words_to_bytes(db), ds))
+    return XlaStack(PackedExperts(gb, gs, group, "bytes"), PackedExperts(db, ds, group, "bytes"))
 
 
 def _stacks(rng, e, planes, hidden, inter, group):
@@ -44,7 +47,7 @@ def test_matches_float64_reference(e, planes, hidden, inter, group, tokens, k):
     assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
     assert np.all(got[~mask.any(axis=1)] == 0)
     # The numpy path reads the byte-major layout as well as the packed words.
-    numpy_bytes = PackedStack(words_to_bytes(gb), gs, words_to_bytes(db), ds, group)
+    numpy_bytes = numpy_stack(words_to_bytes(gb), gs, words_to_bytes(db), ds, group, "bytes")
     np.testing.assert_allclose(host_experts(numpy_bytes, x, ids, w, mask), got, rtol=1e-4,
                                atol=1e-5 * np.abs(ref).max())
 
@@ -79,21 +82,17 @@ def test_tier_kernels_agree_and_rows_keep_the_checkpoint_layout():
     w = rng.uniform(size=(3, 2)).astype(np.float32)
     mask = np.asarray([[True, False], [True, True], [False, True]])
     outs = {}
-    try:
-        for kernel in host_tier.KERNELS:
-            host_tier.configure_kernel(kernel)
-            tier = host_tier.HostTier(64)
-            for name, array in zip(tier._KINDS, (gb, gs, db, ds)):
-                tier.set(name, array)
-            assert tier.kernel == kernel
-            outs[kernel] = tier.compute(x, ids, w, mask)
-            assert np.array_equal(tier.rows("gate_up_bits", np.asarray([4, 1])), gb[[4, 1]])
-            assert np.array_equal(tier.rows("down_scales", np.asarray([2])), ds[[2]])
-    finally:
-        host_tier.configure_kernel("xla")
+    for kernel in KERNELS:
+        tier = host_tier.HostTier(64, HostPool(kernel=kernel))
+        for name, array in zip(tier._KINDS, (gb, gs, db, ds)):
+            tier.set(name, array)
+        assert tier.kernel == kernel
+        outs[kernel] = tier.compute(x, ids, w, mask)
+        assert np.array_equal(tier.rows("gate_up_bits", np.asarray([4, 1])), gb[[4, 1]])
+        assert np.array_equal(tier.rows("down_scales", np.asarray([2])), ds[[2]])
     np.testing.assert_allclose(outs["xla"], outs["numpy"], rtol=1e-4, atol=1e-5 * np.abs(outs["numpy"]).max())
     with pytest.raises(ValueError, match="host kernel"):
-        host_tier.configure_kernel("cuda")
+        HostPool(kernel="cuda")
 
 
 def test_tier_without_a_cpu_backend_falls_back_to_numpy(monkeypatch):
@@ -102,15 +101,15 @@ def test_tier_without_a_cpu_backend_falls_back_to_numpy(monkeypatch):
     gb, gs = _packed(rng, 3, 1, 64, 64, 64)
     db, ds = _packed(rng, 3, 1, 32, 64, 64)
     monkeypatch.setattr(host_tier, "_cpu_device", lambda: None)
-    tier = host_tier.HostTier(64)
+    tier = host_tier.HostTier(64, HostPool())
     with pytest.warns(UserWarning, match="fall back to numpy"):
         tier.set("gate_up_bits", gb)
     for name, array in zip(tier._KINDS[1:], (gs, db, ds)):
         tier.set(name, array)
-    assert tier.kernel == "numpy" and isinstance(tier.stack, PackedStack)
+    assert tier.kernel == "numpy" and isinstance(tier.stack, NumpyStack)
     x, ids, w = rng.normal(size=(1, 64)).astype(np.float32), np.asarray([[2]]), np.ones((1, 1))
     mask = np.ones((1, 1), bool)
-    expected = host_experts(PackedStack(gb, gs, db, ds, 64), x, ids, w, mask)
+    expected = host_experts(numpy_stack(gb, gs, db, ds, 64), x, ids, w, mask)
     np.testing.assert_allclose(tier.compute(x, ids, w, mask), expected, rtol=1e-6)
     with pytest.raises(RuntimeError, match="CPU backend"):
         tier.use_kernel("xla")

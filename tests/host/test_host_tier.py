@@ -57,7 +57,7 @@ def test_placement_raises_hit_rate_and_keeps_outputs():
     engine = Engine(model, config, placement=PlacementConfig(every=0))
     engine.start()
     try:
-        placement = engine._steps.placement
+        placement = engine.placement
         assert _run(engine, prompts, 24) == expected
         placement.round(place=False)
         before = placement.stats()["expert_gpu_hit_rate"]
@@ -84,13 +84,17 @@ def test_host_round_trip_only_when_a_host_expert_is_routed():
     import jax.numpy as jnp
     from flax import nnx
 
+    from strata_jax.host.pool import HostPool
+    from strata_jax.host.tier import HostTier
     from strata_jax.model.config import ExpertQuantization, load_config
-    from strata_jax.model.moe import PackedExperts
+    from strata_jax.model.moe import QuantizedExperts
     from strata_jax.weights.onebit import quantize_experts
 
     cfg = load_config(CKPT)
     e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    module = nnx.eval_shape(lambda: PackedExperts(cfg, ExpertQuantization(group=64, impl="xla", gpu_experts=4)))
+    quant = ExpertQuantization(group=64, impl="xla", gpu_experts=4)
+    pool = HostPool()
+    module = nnx.eval_shape(lambda: QuantizedExperts(cfg, quant, lambda group: HostTier(group, pool)))
     rng = np.random.default_rng(0)
     for kind, shape in (("gate_up", (e, 2 * i, h)), ("down", (e, h, i))):
         pk = quantize_experts(rng.normal(size=shape).astype(np.float32), group=64, planes=1)
@@ -112,9 +116,9 @@ def test_worker_pool_limits_blas_to_one_thread():
     """The pool parallelises over experts; BLAS threads on top would oversubscribe the cores."""
     import threadpoolctl
 
-    from strata_jax.host import tier
+    from strata_jax.host.pool import HostPool
 
-    tier.worker_pool()
+    HostPool().executor
     # numpy's own BLAS, the one the host path calls (scipy, loaded later by other code, brings its own copy).
     numpy_dir = Path(np.__file__).parent.parent
     blas = [i for i in threadpoolctl.threadpool_info()

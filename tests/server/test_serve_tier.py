@@ -11,8 +11,9 @@ import pytest
 from server_helpers import httpx
 from test_server_cli import _lines, _wait_for
 
+from strata_jax.demo import DEMO_MODEL as DEMO
+
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "checkpoints" / "demo"
 
 
 @pytest.fixture(scope="module")

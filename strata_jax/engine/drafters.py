@@ -1,0 +1,90 @@
+"""Drafters for speculative decoding, behind one interface: each step the scheduler asks the drafter once for every
+decoding slot's guesses, and the verify step checks them all (strata_jax/engine/speculative.py keeps the output
+exact). `EngineConfig.draft` picks a built-in one (`make_drafter`); `Engine(..., drafter=...)` takes any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+from strata_jax.engine.config import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRequest:
+    """One decoding slot's request for drafts.
+
+    owner: identifies the request (a drafter that keeps per-slot state starts over when a slot's owner changes).
+    history: the whole sequence so far, prompt + generated; the target model has consumed all but its last token.
+    limit: the most drafts that can still be emitted (may be <= 0: then none).
+    device_drafts: the guesses of the checkpoint's MTP head computed by the last step (empty without MTP).
+    """
+
+    owner: object
+    history: Sequence[int]
+    limit: int
+    device_drafts: Sequence[int] = ()
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Guesses the next tokens of every decoding slot at once."""
+
+    def propose(self, requests: Mapping[int, DraftRequest]) -> dict[int, list[int]]:
+        """slot -> up to `requests[slot].limit` guessed next tokens (a slot may be missing or get [] for none)."""
+        ...
+
+    def warm_up(self) -> None:
+        """Compiles whatever the drafter runs (called once, before serving)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = max_n down to min_n) in the
+    sequence and propose what followed it. Free, and strong on code edits where text is copied back."""
+
+    def __init__(self, k: int = 4, max_n: int = 3, min_n: int = 1, window: int = 8192):
+        self.k, self.max_n, self.min_n, self.window = k, max_n, min_n, window
+
+    def propose(self, requests: Mapping[int, DraftRequest]) -> dict[int, list[int]]:
+        """Each slot's lookup continuation (`propose_one`)."""
+        return {slot: self.propose_one(r.history, r.limit) for slot, r in requests.items()}
+
+    def propose_one(self, history: Sequence[int], limit: int) -> list[int]:
+        """Up to min(k, limit) guessed next tokens for the sequence `history`."""
+        limit = min(self.k, limit)
+        if limit <= 0 or len(history) < 2:
+            return []
+        hist = list(history[-self.window :])
+        for n in range(min(self.max_n, len(hist) - 1), self.min_n - 1, -1):
+            tail = hist[-n:]
+            for start in range(len(hist) - n - 1, -1, -1):
+                if hist[start : start + n] == tail:
+                    return hist[start + n : start + n + limit]
+        return []
+
+    def warm_up(self) -> None:
+        """Nothing to compile."""
+
+
+class MtpDrafter:
+    """The checkpoint's own MTP head: its guesses come back with every step (`EngineConfig.draft="mtp"` makes the
+    runner chain it `draft_k` times inside each step), so proposing just hands them over."""
+
+    def propose(self, requests: Mapping[int, DraftRequest]) -> dict[int, list[int]]:
+        """Each slot's device guesses, cut to its limit."""
+        return {slot: list(r.device_drafts[: max(r.limit, 0)]) for slot, r in requests.items()}
+
+    def warm_up(self) -> None:
+        """Nothing to compile: the guesses are part of the step functions."""
+
+
+def make_drafter(config: EngineConfig) -> Drafter | None:
+    """The built-in drafter `config.draft` names; None for "none" (no speculation)."""
+    if config.draft == "ngram":
+        return NgramDrafter(k=config.draft_k)
+    if config.draft == "mtp":
+        return MtpDrafter()
+    return None

@@ -1,0 +1,56 @@
+"""`Job`: a request's life on the engine thread, from queue to slot to finish."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from strata_jax.engine.output import RequestOutput, RequestStream
+from strata_jax.engine.protocol import FinishReason, GenerationRequest
+
+
+@dataclasses.dataclass
+class Job:
+    """A request inside the engine: where it sits, what the device has consumed, what it generated."""
+
+    request: GenerationRequest
+    stream: RequestStream  # where its output goes (the output processor's side of it)
+    seed: int
+    submitted: float
+    slot: int = -1
+    pos: int = 0  # prompt tokens already in the cache
+    cached: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    last_token: int | None = None
+    ple_ctx: list[np.ndarray] = dataclasses.field(default_factory=list)
+    admitted: float = 0.0
+    first_token: float = 0.0
+    consumed: int = 0  # tokens in the slot's cache
+    device_drafts: list[int] = dataclasses.field(default_factory=list)  # MTP guesses from the last step
+    misses: int = 0  # consecutive verify windows with no draft accepted
+    backoff: int = 0  # steps left without drafting
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt)
+
+    @property
+    def sampling(self) -> tuple[float, int, float, int]:
+        """(temperature, top_k, top_p, seed) for the step functions."""
+        s = self.request.sampling
+        return (float(s.temperature), int(s.top_k), float(s.top_p), self.seed)
+
+    def output(self, tokens: list[int], reason: FinishReason | None, at: float, error: str | None = None
+               ) -> RequestOutput:
+        """This step's output of the job for the output processor, with its usage so far."""
+        return RequestOutput(
+            self.stream, tuple(tokens), reason, error, cached_tokens=self.cached, admitted=self.admitted,
+            first_token=self.first_token, draft_tokens=self.drafted, accepted_draft_tokens=self.accepted, at=at,
+        )

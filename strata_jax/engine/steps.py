@@ -1,0 +1,179 @@
+"""The engine's step functions: pure, fixed-shape functions of (model, slot cache, inputs) that the model runner
+jits with the cache donated, and the public pieces benchmarks build the same compiled steps from.
+
+- `prefill_step`: one chunk of one slot's prompt (batch 1, chunk size C; the last chunk is masked by `n_valid`),
+  sampling the next token from the last real position;
+- `decode_step`: one token for every slot at once, inactive slots masked (their state does not move);
+- `verify_step`: one speculative window for every slot (last token + drafts), rolled back to what was accepted;
+- `reset_slot` / `take_slot` / `put_slot`: a slot's state, for new requests and prefix-cache snapshots.
+Every step also returns the routing counts (`RoutingCounts` state) its MoE layers accumulated. Slot indices are
+traced values: one compilation serves every slot.
+
+Benchmarks: `jit_step(decode_step, graphdef, state)` is the engine's compiled decode over `flat_weights(state)`;
+`decode_args` / `verify_args` build its inputs; `.lower(weights, cache, *args)` on it gives the HLO.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strata_jax.engine.sampling import sample
+from strata_jax.engine.speculative import accept
+from strata_jax.model.cache import AttentionCache, ModelCache
+from strata_jax.model.decoder import rollback
+from strata_jax.model.moe import RoutingCounts
+
+# Per-slot sampling parameters: (temperature, top_k, top_p, seed), each a scalar or an [S] array.
+Sampling = tuple
+
+
+def take_slot(cache: ModelCache, slot: jax.Array) -> ModelCache:
+    """One slot's state (batch dimension 1)."""
+    return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
+
+
+def put_slot(cache: ModelCache, slot: jax.Array, sub: ModelCache) -> ModelCache:
+    """`cache` with slot `slot` replaced by `sub` (batch dimension 1)."""
+    return jax.tree_util.tree_map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=0), cache, sub)
+
+
+def reset_slot(cache: ModelCache, slot: jax.Array) -> ModelCache:
+    """Zeroes a slot's recurrent state and length (stale KV is harmless: positions past the length are masked)."""
+
+    def zero(layer_field, x):
+        if isinstance(layer_field, AttentionCache):
+            return x
+        return jax.lax.dynamic_update_slice_in_dim(x, jnp.zeros((1,) + x.shape[1:], x.dtype), slot, axis=0)
+
+    layers = []
+    for layer in cache.layers:
+        mixer = layer.mixer
+        if not isinstance(mixer, AttentionCache):
+            mixer = jax.tree_util.tree_map(functools.partial(zero, mixer), mixer)
+        ple = None if layer.ple is None else jax.tree_util.tree_map(functools.partial(zero, layer.ple), layer.ple)
+        layers.append(layer.replace(mixer=mixer, ple=ple))
+    cache = cache.replace(layers=tuple(layers), lengths=cache.lengths.at[slot].set(0))
+    if cache.mtp_lengths is not None:
+        cache = cache.replace(mtp_lengths=cache.mtp_lengths.at[slot].set(0))
+    return cache
+
+
+def _no_drafts(batch: int) -> jax.Array:
+    return jnp.zeros((batch, 0), jnp.int32)
+
+
+def prefill_step(mtp_k, graphdef, state, cache, slot, tokens, n_valid, next_token, rows, temperature, top_k, top_p,
+                 seed):
+    """One prompt chunk (tokens [1, C], `n_valid` [1] real ones) of slot `slot`.
+
+    `next_token` [1] is the prompt token after the chunk (-1 after the last chunk: then the sampled token follows).
+    With MTP drafting (mtp_k > 0) the chunk's pairs enter the MTP cache and the returned drafts guess the tokens
+    after the sampled one. Returns (token [], drafts [mtp_k], cache, routing counts)."""
+    model = nnx.merge(graphdef, state)
+    sub = take_slot(cache, slot)
+    logits, hidden, sub = model(tokens, sub, n_valid, rows)
+    last = jax.lax.dynamic_index_in_dim(logits[0], n_valid[0] - 1, axis=0, keepdims=True)
+    token = sample(last, temperature, top_k, top_p, seed, sub.lengths)
+    drafts = _no_drafts(1)
+    if mtp_k:
+        follow = jnp.where(next_token[0] >= 0, next_token[0], token[0])
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((1, 1), tokens.dtype)], axis=1)
+        nxt = jnp.where(jnp.arange(tokens.shape[1])[None] == n_valid[0] - 1, follow, shifted)
+        drafts, sub = model.mtp_drafts(hidden, nxt, sub, n_valid, mtp_k)
+    return token[0], drafts[0], put_slot(cache, slot, sub), nnx.state(model, RoutingCounts)
+
+
+def decode_step(mtp_k, graphdef, state, cache, tokens, active, rows, temperature, top_k, top_p, seed):
+    """One token for every slot (tokens, active [S]). Returns (tokens [S], MTP drafts [S, mtp_k], cache, routing
+    counts)."""
+    model = nnx.merge(graphdef, state)
+    n_valid = active.astype(jnp.int32)
+    logits, hidden, cache = model(tokens[:, None], cache, n_valid, rows)
+    out = sample(logits[:, 0], temperature, top_k, top_p, seed, cache.lengths)
+    drafts = _no_drafts(tokens.shape[0])
+    if mtp_k:
+        drafts, cache = model.mtp_drafts(hidden, out[:, None], cache, n_valid, mtp_k)
+    return out, drafts, cache, nnx.state(model, RoutingCounts)
+
+
+def verify_step(mtp_k, graphdef, state, cache, tokens, n_valid, rows, temperature, top_k, top_p, seed):
+    """One verify window for every slot: tokens [S, k+1] = last token + drafts (n_valid[s] = 1 + drafts, 0 for
+    idle slots). Returns (accepted drafts [S], emitted tokens [S, k+1], next drafts [S, mtp_k], cache rolled back
+    to what was kept, routing counts)."""
+    model = nnx.merge(graphdef, state)
+    logits, hidden, after, replays = model.verify(tokens, cache, n_valid, rows)
+    n_drafts = jnp.maximum(n_valid - 1, 0)
+    n_acc, out = accept(logits, tokens[:, 1:], n_drafts, temperature, top_k, top_p, seed, cache.lengths)
+    n_keep = jnp.where(n_valid > 0, 1 + n_acc, 0)
+    cache = rollback(cache, after, replays, n_keep)
+    drafts = _no_drafts(tokens.shape[0])
+    if mtp_k:
+        # The kept positions' hidden states paired with the tokens that followed them: accepted drafts + bonus.
+        drafts, cache = model.mtp_drafts(hidden, out, cache, n_keep, mtp_k)
+    return n_acc, out, drafts, cache, nnx.state(model, RoutingCounts)
+
+
+STEPS: dict[str, Callable] = {"prefill": prefill_step, "decode": decode_step, "verify": verify_step}
+
+
+def flat_weights(state: nnx.State) -> list[jax.Array]:
+    """The model's weights as the flat list of arrays `jit_step` functions take."""
+    return jax.tree_util.tree_leaves(state)
+
+
+def jit_step(step: Callable, graphdef, state: nnx.State, mtp_k: int = 0, flat: bool = True):
+    """`step` (one of `STEPS`) jitted as the engine runs it: a function of (weights, cache, *inputs) with the
+    cache donated, returning the step's outputs. `weights` is `flat_weights(state)` (flat=True) or the nnx.State
+    itself (flat=False). The host flattens a jitted function's arguments on every call: ~1400 nnx.State leaves of a
+    48-layer model cost ~3 ms per step on an H200's host (docs/PERF.md), a flat list a fraction of that."""
+    if not flat:
+        return jax.jit(functools.partial(step, mtp_k, graphdef), donate_argnums=(1,))
+    treedef = jax.tree_util.tree_structure(state)
+
+    def run(weights: list[jax.Array], *rest):
+        return step(mtp_k, graphdef, jax.tree_util.tree_unflatten(treedef, weights), *rest)
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def greedy_sampling(slots: int) -> Sampling:
+    """Sampling parameters of `slots` greedy slots (temperature 0, no top-k/top-p, seed 0)."""
+    z = np.zeros(slots)
+    return (z, z, z + 1, z)
+
+
+def _rows(rows: Sequence[np.ndarray], dtype) -> tuple[jax.Array, ...]:
+    return tuple(jnp.asarray(r, dtype) for r in rows)
+
+
+def _sampling(sampling: Sampling) -> tuple[jax.Array, ...]:
+    temperature, top_k, top_p, seed = sampling
+    return (jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
+            jnp.asarray(seed, jnp.uint32))
+
+
+def prefill_args(slot: int, tokens, n_valid: int, next_token: int, sampling: Sampling, rows=(),
+                 row_dtype=jnp.float32) -> tuple:
+    """`prefill_step`'s inputs after the cache: one chunk tokens [1, C] of `slot`, one request's scalar sampling
+    parameters, its PLE rows (one array [1, C, D] per PLE layer)."""
+    return (jnp.int32(slot), jnp.asarray(tokens, jnp.int32), jnp.asarray([n_valid], jnp.int32),
+            jnp.asarray([next_token], jnp.int32), _rows(rows, row_dtype), *_sampling(tuple([x] for x in sampling)))
+
+
+def decode_args(tokens, active, sampling: Sampling, rows=(), row_dtype=jnp.float32) -> tuple:
+    """`decode_step`'s inputs after the cache: tokens [S] (host or device array), active [S] bool, per-slot
+    sampling arrays [S], PLE rows (one array [S, 1, D] per PLE layer)."""
+    return (jnp.asarray(tokens, jnp.int32), jnp.asarray(active, bool), _rows(rows, row_dtype), *_sampling(sampling))
+
+
+def verify_args(tokens, n_valid, sampling: Sampling, rows=(), row_dtype=jnp.float32) -> tuple:
+    """`verify_step`'s inputs after the cache: windows tokens [S, k+1], n_valid [S], per-slot sampling arrays [S],
+    PLE rows (one array [S, k+1, D] per PLE layer)."""
+    return (jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32), _rows(rows, row_dtype),
+            *_sampling(sampling))
