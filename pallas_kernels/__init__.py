@@ -76,7 +76,8 @@ def moe_experts_1bit(
     ``gate_up`` packs the HF fused ``gate_up_proj`` [E, 2I, H] (gate = first I rows), ``down`` packs
     ``down_proj`` [E, H, I]; either as ``PackedExperts`` (numpy or jax arrays) or anything with .bits/.scales/.group.
     ``interpret`` runs the Pallas kernels in interpret mode (CPU tests); ``config`` picks schedule and
-    tiles (default: ``default_config(T)``, tuned on an H200); ``poison`` (testing aid) starts the kernels' outputs as NaN so unwritten elements show.
+    tiles (default: ``default_config(T)``, tuned on an H200); ``poison`` (testing aid) starts the kernels' outputs
+    as NaN so unwritten elements show.
     """
     gate_up, down = as_packed(gate_up), as_packed(down)
     check_shapes(x, expert_ids, expert_weights, gate_up, down)

@@ -1,10 +1,42 @@
-"""Shared test setup: the `gpu` marker skips unless JAX has a GPU backend."""
+"""Shared test setup: the `gpu` marker skips unless JAX has a GPU backend; `SLOW` marks the tests that the fast
+loop (`pytest -m "not slow"`) leaves out."""
 
 from pathlib import Path
 
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# Tests marked `slow` (README: the fast loop). Whole files: benchmark smoke runs, CLI and server subprocesses, the
+# notebook, speculative decoding end to end. Single tests: those that took over ~12 s on 2 cores (pytest
+# --durations, 2026-12-01), mostly the full kernel matrix and engine runs that compile several step functions; each
+# area keeps a quick test of the same behaviour in the fast loop.
+SLOW_FILES = {
+    "bench/test_bench.py", "bench/test_bench_tier.py", "bench/test_bench_kernels.py", "cli/test_cli.py",
+    "cli/test_plan_cli.py", "cli/test_packaging.py", "server/test_server_cli.py", "server/test_serve_tier.py",
+    "kernels/test_notebook.py", "engine/test_speculative.py",
+}
+SLOW_TESTS = {
+    "engine/test_engine.py": {"test_batched_equals_alone_together_and_staggered", "test_bf16_cache_on_a_float32_model",
+                              "test_prefix_cache_hit_is_exact", "test_sampling_is_reproducible_and_independent_of_batch"},
+    "engine/test_engine_overlap.py": {"test_cancelling_one_request_leaves_the_others_exact",
+                                      "test_overlap_off_takes_the_plain_path",
+                                      "test_overlapped_decode_equals_the_plain_api"},
+    "host/test_host_experts.py": {"test_matches_float64_reference"},
+    "host/test_host_tier.py": {"test_placement_raises_hit_rate_and_keeps_outputs", "test_split_matches_all_resident"},
+    "kernels/test_decode_attention.py": {"test_model_through_the_kernel_matches_the_fixture"},
+    "kernels/test_hyper_mix.py": {"test_matches_numpy_f32", "test_model_through_the_kernels_matches_the_fixture",
+                                  "test_prefolded_model_matches_the_fixture"},
+    "kernels/test_onebit_kernel.py": {"test_jnp_paths_match_float64", "test_pallas_interpret_matches_float64",
+                                      "test_pallas_lowers_to_triton_without_a_gpu"},
+    "model/test_model_parity.py": {"test_eos_inside_sequence", "test_greedy_generation",
+                                   "test_padded_rows_match_separate_runs", "test_prefill_in_odd_chunks"},
+    "server/test_server_engine.py": {"test_eight_concurrent_streams_match_sequential_runs"},
+    "weights/test_layer_draft.py": {"test_layer_draft_is_the_source_model_truncated"},
+    "weights/test_quantize.py": {"test_converted_directory_equals_quantize_on_load",
+                                 "test_more_planes_track_the_dense_model_better",
+                                 "test_rerun_resumes_and_rewrites_half_written_parts"},
+}
 
 
 def _has_gpu() -> bool:
@@ -21,7 +53,15 @@ def pytest_configure(config):
         jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def _is_slow(item) -> bool:
+    path = Path(str(item.fspath)).resolve().relative_to(Path(__file__).parent).as_posix()
+    return path in SLOW_FILES or item.originalname in SLOW_TESTS.get(path, ())
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
     if any("gpu" in item.keywords for item in items) and not _has_gpu():
         skip = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
         for item in items:

@@ -1,4 +1,5 @@
-"""The benchmark command line (`python -m strata_jax.bench`): measurements of the engine against the floors of the device.
+"""The benchmark command line (`python -m strata_jax.bench`): measurements of the engine against the floors of
+the device.
 
 Mode `users` (default): the seed system's scenario — N concurrent users streaming a coding prompt, speculation off
 and on, beside the seed system's published figures (strata_jax/bench/users.py). By default on the bundled demo model;

@@ -1,7 +1,8 @@
 """Synthetic models at real shapes, built directly on the device (no checkpoint), for benchmarks.
 
-`PRESETS["flash-next-125b"]` is Qwen3.8-Flash-Next's text model as docs/ARCHITECTURE.md ("Background") gives it. Weights are random (never
-zeros: routing, attention and kernels see realistic data), created parameter by parameter on the device.
+`PRESETS["flash-next-125b"]` is Qwen3.8-Flash-Next's text model as docs/ARCHITECTURE.md ("Background") gives it.
+Weights are random (never zeros: routing, attention and kernels see realistic data), created parameter by parameter
+on the device.
 """
 
 from __future__ import annotations

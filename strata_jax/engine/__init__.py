@@ -12,7 +12,9 @@ from strata_jax.engine.protocol import GenerationRequest, PromptTooLong, Request
 if TYPE_CHECKING:
     from strata_jax.engine.engine import Engine
 
-__all__ = ["Engine", "EngineConfig", "GenerationRequest", "PromptTooLong", "RequestTiming", "SamplingParams", "TokenEvent"]
+__all__ = [
+    "Engine", "EngineConfig", "GenerationRequest", "PromptTooLong", "RequestTiming", "SamplingParams", "TokenEvent",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -67,11 +67,13 @@ class DecoderLayer(nnx.Module):
         n_valid: jax.Array,
         ple_rows: jax.Array | None,
         with_replay: bool = False,
+        real: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache, LayerReplay | None]:
+        """`real` (bool [B, T], default from `n_valid`) marks the real tokens: padding and idle slots neither count
+        as routing nor cost host expert work in the MoE. The caller computes it once for all layers."""
         # Named scopes label the compiled kernels (HLO op_name), so a profile can be read by component.
-        # The real tokens of the call (bool [B, T]): padding and idle slots neither count as routing nor cost host
-        # expert work in the MoE.
-        real = jnp.arange(h.shape[1])[None, :] < n_valid[:, None]
+        if real is None:
+            real = real_tokens(h.shape[1], n_valid)
         ple_cache = cache.ple
         ple_in = None
         if self.ple is not None:
@@ -97,6 +99,11 @@ class DecoderLayer(nnx.Module):
                 h = h + self._mlp(self.post_attention_layernorm(h), real)
         layer_replay = LayerReplay(mixer=replay, ple=ple_in) if with_replay else None
         return h, LayerCache(mixer=mixer_cache, ple=ple_cache), layer_replay
+
+
+def real_tokens(width: int, n_valid: jax.Array) -> jax.Array:
+    """bool [B, width]: the first n_valid[b] positions of each row."""
+    return jnp.arange(width)[None, :] < n_valid[:, None]
 
 
 @struct.dataclass
@@ -149,11 +156,12 @@ class TextModel(nnx.Module):
         if cfg.hyper_connections:
             h = jnp.tile(h, (1, 1, cfg.hc_count))
         start = cache.lengths
+        real = real_tokens(tokens.shape[1], n_valid)
         new_layers, replays = [], []
         for i, layer in enumerate(self.layers):
             rows = ple_rows[cfg.ple_layers.index(i)] if i in cfg.ple_layers else None
             with jax.named_scope("linear_layer" if layer.linear else "attention_layer"):
-                h, layer_cache, replay = layer(h, cache.layers[i], start, n_valid, rows, with_replay)
+                h, layer_cache, replay = layer(h, cache.layers[i], start, n_valid, rows, with_replay, real)
             new_layers.append(layer_cache)
             replays.append(replay)
         if cfg.hyper_connections:

@@ -6,12 +6,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
-
-pytestmark = pytest.mark.slow
 
 
 def test_wheel_carries_the_demo_and_serves_it_outside_a_checkout(tmp_path: Path) -> None:

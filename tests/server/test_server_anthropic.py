@@ -458,7 +458,8 @@ def test_replay_claude_code_requests(serve, tokenizer, name):
     server, engine = serve(ScriptedEngine(tokenizer, TOOL_OUTPUT, context_length=200_000), api_key="local")
     skip = {"host", "content-length", "connection", "accept-encoding"}
     headers = {k: v for k, v in captured["headers"].items() if k.lower() not in skip}
-    headers.setdefault("Authorization", "Bearer local")  # scrubbed from the capture; docs/CLIENTS.md: Claude Code sent it
+    # Scrubbed from the capture; docs/CLIENTS.md: Claude Code sent it.
+    headers.setdefault("Authorization", "Bearer local")
     r = httpx.post(server.url + captured["path"], content=json.dumps(captured["body"]), headers=headers,
                    timeout=60)
     assert r.status_code == 200, r.text
