@@ -18,7 +18,7 @@ from strata_jax.engine.protocol import GenerationRequest, SamplingParams, TokenE
 from server.anthropic_request import MessagesRequest, parse_messages_request
 from server.anthropic_stream import MessageBuilder, SseEvent, random_id
 from server.errors import ApiError, anthropic_error_body
-from server.generation import ClientGone, EngineRun
+from server.generation import ClientGone, EngineRun, generation_failed
 from server.prompt import RenderedPrompt, clamp_max_tokens, engine_top_k, render_prompt
 from server.sse import send_events, start_sse
 from server.state import REQUEST_ID, STATE, ServerState
@@ -31,7 +31,7 @@ log = logging.getLogger("strata.server")
 async def _render(state: ServerState, req: MessagesRequest) -> RenderedPrompt:
     _, tokenizer = state.require_ready()
     # Rendering and tokenizing a 20-40K token prompt takes a while: keep it off the event loop.
-    return await asyncio.to_thread(render_prompt, tokenizer, req.prompt)
+    return await asyncio.to_thread(render_prompt, tokenizer, req.prompt, state.max_prompt_tokens)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -78,7 +78,7 @@ class _Answer:
     def feed(self, event: TokenEvent, run: EngineRun) -> list[SseEvent]:
         """The SSE events one engine event produces (the closing ones included when it is the last)."""
         if event.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {event.error or 'engine error'}")
+            raise generation_failed(event)
         # An end-of-turn token's text (if an engine reports it) is not part of the answer.
         hide = self.warm_only or (event.finish_reason is not None and event.token_id in self._eos_ids)
         out = self._builder.apply(self._parser.feed("" if hide else event.text))

@@ -2,7 +2,7 @@
 
 Routes:
     HEAD/GET /                      always 200 (Claude Code sends `HEAD /` first; never a 5xx)
-    GET  /health                    503 while the model loads, 200 after (no auth)
+    GET  /health                    503 while the model loads or the engine is stuck / stopping, else 200 (no auth)
     GET  /metrics                   Prometheus text
     POST /v1/messages               Anthropic Messages API (streaming and not; query string ignored)
     POST /v1/messages/count_tokens
@@ -146,6 +146,9 @@ async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not state.ready:
         return web.json_response({"status": "loading"}, status=503, headers={"retry-after": "5"})
+    healthy, why = state.engine_health()
+    if not healthy:
+        return web.json_response({"status": "unavailable", "reason": why}, status=503, headers={"retry-after": "5"})
     return web.json_response({"status": "ok", "model": state.served_name, "context_length": state.context_length})
 
 

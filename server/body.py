@@ -25,6 +25,7 @@ SUPPORTED_ENCODINGS = ("gzip", "deflate", "identity")
 # Waiting for the request body: at most this long without a byte arriving, and this long in all.
 BODY_IDLE_TIMEOUT_S = 30.0
 BODY_TOTAL_TIMEOUT_S = 300.0
+_PARSE_INLINE_BYTES = 256 * 1024  # bodies from this size are decoded and parsed in a worker thread
 
 _STRING_LITERAL = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
@@ -43,9 +44,15 @@ async def read_json_object(request: web.Request, max_bytes: int, *, idle_timeout
     """
     codings = _content_codings(request)  # 415 before reading a body nobody can decode
     raw = await _read_raw(request, max_bytes, idle_timeout_s, total_timeout_s)
-    if codings and getattr(request.content, "total_compressed_bytes", None) is None:
-        raw = decode_content(raw, codings, max_bytes)
-    return parse_json_object(raw)
+    decode = codings and getattr(request.content, "total_compressed_bytes", None) is None
+    if not decode and len(raw) < _PARSE_INLINE_BYTES:
+        return parse_json_object(raw)
+
+    def decode_and_parse() -> dict[str, Any]:
+        return parse_json_object(decode_content(raw, codings, max_bytes) if decode else raw)
+
+    # Megabytes of JSON (or a body to inflate) take long enough to stall every other client: a worker thread.
+    return await asyncio.to_thread(decode_and_parse)
 
 
 async def read_request_json(request: web.Request, state: Any) -> dict[str, Any]:

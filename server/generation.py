@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from strata_jax.engine.protocol import EngineProtocol, GenerationRequest, PromptTooLong, TokenEvent
+from strata_jax.engine.protocol import EngineProtocol, EngineUnavailable, GenerationRequest, PromptTooLong, TokenEvent
 
 from server.errors import ApiError, invalid_request
 from server.metrics import ServerMetrics
@@ -30,6 +30,14 @@ _POLL_S = 0.5
 
 class ClientGone(Exception):
     """The HTTP client closed the connection."""
+
+
+def generation_failed(event: TokenEvent) -> ApiError:
+    """The error for an engine event that ended a request with "error": 503 (overloaded: retry) when the cause is
+    the engine's state (shutting down, a stuck step), else 500."""
+    if event.retryable:
+        return ApiError(503, event.error or "the engine is unavailable; retry shortly", headers={"retry-after": "5"})
+    return ApiError(500, f"generation failed: {event.error or 'engine error'}")
 
 
 def client_connected(request: web.Request) -> bool:
@@ -64,6 +72,8 @@ class EngineRun:
             self._stream = await self._engine.submit(self.gen)
         except PromptTooLong as exc:
             raise invalid_request(str(exc)) from exc
+        except EngineUnavailable as exc:
+            raise ApiError(503, str(exc), headers={"retry-after": "5"}) from exc
         except ValueError as exc:
             raise invalid_request(f"the engine rejected the request: {exc}") from exc
         self._metrics.in_flight.inc()

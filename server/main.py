@@ -27,8 +27,13 @@ LoadEngine = Callable[[], tuple[EngineProtocol, Tokenizer, int]]
 
 ACCESS_LOG_FORMAT = '%a "%r" %s %bB %Tfs "%{User-Agent}i"'
 
-# Seconds in-flight requests get to finish on shutdown before they are cancelled.
-SHUTDOWN_GRACE_S = 5.0
+# On shutdown the engine ends every stream at once with a retryable error; handlers then get this long to write
+# their error events before their connections are closed.
+SHUTDOWN_GRACE_S = 1.5
+# An engine that stays unhealthy this long (its watchdog found a step stuck and it did not come back) makes the
+# server exit with EXIT_STUCK, so that a supervisor restarts it: a hung device call cannot be undone in-process.
+STUCK_EXIT_S = 30.0
+EXIT_STUCK = 70
 
 def is_loopback(host: str) -> bool:
     """Whether `host` only accepts connections from this machine."""
@@ -44,8 +49,11 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(load_engine: LoadEngine, *, host: str, port: int, api_key: str | None, served_name: str,
-          allow_insecure_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
-    """Serve until SIGINT/SIGTERM; returns the process exit code.
+          allow_insecure_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          stuck_exit_s: float = STUCK_EXIT_S) -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0), or until the engine stays unhealthy for `stuck_exit_s`
+    (EXIT_STUCK: the caller should end the process at once, e.g. `os._exit`, since an engine thread may be stuck
+    in a device call); returns the process exit code.
 
     `load_engine()` runs in a worker thread and returns (engine, tokenizer, context_length); it prints its own
     progress. `api_key` defaults to $STRATA_API_KEY. A non-loopback `host` needs a key unless
@@ -60,7 +68,7 @@ def serve(load_engine: LoadEngine, *, host: str, port: int, api_key: str | None,
     logging.getLogger("aiohttp.access").setLevel(logging.INFO)  # one line per request
     logging.getLogger("strata.server").setLevel(logging.INFO)  # e.g. requests cancelled by a client
     try:
-        return asyncio.run(_serve(load_engine, host, port, api_key, served_name, max_body_bytes))
+        return asyncio.run(_serve(load_engine, host, port, api_key, served_name, max_body_bytes, stuck_exit_s))
     except KeyboardInterrupt:
         return 130
 
@@ -70,7 +78,7 @@ def _url(host: str, port: int) -> str:
 
 
 async def _serve(load_engine: LoadEngine, host: str, port: int, api_key: str | None, served_name: str,
-                 max_body_bytes: int) -> int:
+                 max_body_bytes: int, stuck_exit_s: float) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -101,19 +109,43 @@ async def _serve(load_engine: LoadEngine, host: str, port: int, api_key: str | N
         engine, tokenizer, context_length = loaded.result()
         install_engine(app, engine, tokenizer, context_length)
         print(f"listening on {_url(host, bound_port)}", flush=True)
-        await stop_wait
+        watch = asyncio.ensure_future(_until_stuck(engine, stuck_exit_s))
+        await asyncio.wait({stop_wait, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done():
+            code = EXIT_STUCK
+        watch.cancel()
     elif loaded.done():
         exc = loaded.exception()
         print(f"error: loading the model failed: {exc}", file=sys.stderr, flush=True)
         code = 1
     stop_wait.cancel()
     print("shutting down", file=sys.stderr, flush=True)
-    listener.close()  # stop accepting; in-flight requests get SHUTDOWN_GRACE_S in runner.cleanup()
-    await runner.cleanup()
+    listener.close()  # stop accepting
     shutdown = getattr(engine, "shutdown", None) or getattr(engine, "stop", None)
-    if callable(shutdown):
-        shutdown()
+    if callable(shutdown):  # every stream ends now with a retryable error event (the engine thread is not awaited)
+        await loop.run_in_executor(None, shutdown)
+    await runner.cleanup()  # handlers write those events within SHUTDOWN_GRACE_S
     return code
+
+
+async def _until_stuck(engine: Any, stuck_exit_s: float) -> None:
+    """Returns once `engine.health()` has been false for `stuck_exit_s` seconds (never if it has no health())."""
+    health = getattr(engine, "health", None)
+    if health is None:
+        await asyncio.Event().wait()
+    loop = asyncio.get_running_loop()
+    since = None
+    while True:
+        await asyncio.sleep(min(1.0, stuck_exit_s / 4))
+        healthy, why = health()
+        if healthy:
+            since = None
+            continue
+        since = loop.time() if since is None else since
+        if loop.time() - since >= stuck_exit_s:
+            print(f"error: the engine is unhealthy ({why}) for {stuck_exit_s:g}s; exiting with code {EXIT_STUCK} so "
+                  "a supervisor can restart the server", file=sys.stderr, flush=True)
+            return
 
 
 def _load_in_thread(load_engine: LoadEngine, loop: asyncio.AbstractEventLoop, out: asyncio.Future) -> None:

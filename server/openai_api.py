@@ -18,7 +18,7 @@ from strata_jax.engine.protocol import GenerationRequest, SamplingParams, TokenE
 
 from server.anthropic_stream import random_id
 from server.errors import ApiError, openai_error_body
-from server.generation import ClientGone, EngineRun
+from server.generation import ClientGone, EngineRun, generation_failed
 from server.openai_request import parse_chat_request
 from server.openai_stream import ChoiceBuilder
 from server.prompt import clamp_max_tokens, engine_top_k, render_prompt
@@ -50,7 +50,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, tokenizer = state.require_ready()
     req = parse_chat_request(await read_request_json(request, state))
-    rendered = await asyncio.to_thread(render_prompt, tokenizer, req.prompt)
+    rendered = await asyncio.to_thread(render_prompt, tokenizer, req.prompt, state.max_prompt_tokens)
     n_prompt = len(rendered.ids)
     sampling = SamplingParams(
         max_tokens=clamp_max_tokens(req.max_tokens, n_prompt, state.context_length),
@@ -92,7 +92,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     text = "" if event.token_id in eos_ids and event.finish_reason else event.text
                     deltas = choice.apply(parser.feed(text))
                     if event.finish_reason == "error":
-                        raise ApiError(500, f"generation failed: {event.error or 'engine error'}")
+                        raise generation_failed(event)
                     frames = [chunk(d) for d in deltas]
                     if event.finish_reason is not None:
                         frames += [chunk(d) for d in choice.apply(parser.finish())]
@@ -127,7 +127,7 @@ async def _run_to_end(run: EngineRun, parser: OutputParser, choice: ChoiceBuilde
             choice.apply(parser.feed(text))
             if event.finish_reason is not None:
                 if event.finish_reason == "error":
-                    raise ApiError(500, f"generation failed: {event.error or 'engine error'}")
+                    raise generation_failed(event)
                 choice.apply(parser.finish())
                 return event
     raise ApiError(500, "the engine ended the stream without a finish reason")

@@ -13,7 +13,7 @@ from typing import Any
 
 import jinja2
 
-from strata_jax.tokenizer import Tokenizer
+from strata_jax.tokenizer import Tokenizer, TooManyTokens
 
 from server.errors import ApiError, invalid_request
 
@@ -130,8 +130,11 @@ def tool_choice_note(choice: str, name: str | None = None) -> str | None:
     return None
 
 
-def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
-    """Render `prompt` with the chat template and tokenize it; template errors become 400s."""
+def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt, max_prompt_tokens: int | None = None) -> RenderedPrompt:
+    """Render `prompt` with the chat template and tokenize it; template errors become 400s. Tokenizing runs in
+    pieces (a caller's thread leaves the event loop responsive); with `max_prompt_tokens` (what the context can take)
+    a longer prompt is a 400 in Anthropic's "prompt is too long" form, counted exactly up to twice the limit and no
+    further (a megabytes-long prompt costs no more than that)."""
     messages = merge_consecutive_turns(fold_system_messages(prompt.messages))
     if not messages:
         raise invalid_request("messages: at least one message is required", "messages")
@@ -158,9 +161,15 @@ def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
         elif "<think>" in prompt.prefill:
             start_in_thinking = True
     try:
-        ids = tokenizer.encode(text)
+        stop_after = None if max_prompt_tokens is None else 2 * max_prompt_tokens
+        ids = tokenizer.encode_in_pieces(text, stop_after=stop_after)
+    except TooManyTokens as exc:
+        count = f"{exc.count}" if exc.exact else f"more than {exc.count}"
+        raise invalid_request(f"prompt is too long: {count} tokens > {max_prompt_tokens} maximum") from exc
     except (TypeError, ValueError) as exc:  # e.g. text the tokenizer cannot take (validation should stop it first)
         raise invalid_request(f"the prompt cannot be tokenized: {_short(str(exc))}") from exc
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        raise invalid_request(f"prompt is too long: {len(ids)} tokens > {max_prompt_tokens} maximum")
     return RenderedPrompt(text=text, ids=ids, start_in_thinking=start_in_thinking)
 
 

@@ -48,6 +48,23 @@ class ServerState:
         except Exception:  # noqa: BLE001 - a scrape must not fail because of the engine
             return None
 
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt the context takes (one token is left to generate); None before it is known."""
+        return self.context_length - 1 if self.context_length > 1 else None
+
+    def engine_health(self) -> tuple[bool, str]:
+        """The engine's (healthy, why not); engines without `health()` count as healthy once installed."""
+        health = getattr(self.engine, "health", None)
+        if self.engine is None:
+            return False, "the model is still loading"
+        if health is None:
+            return True, ""
+        try:
+            return health()
+        except Exception as exc:  # noqa: BLE001 - a probe must answer
+            return False, f"health check failed: {exc}"
+
     def require_ready(self) -> tuple[EngineProtocol, Tokenizer]:
         """(engine, tokenizer), or a 529 overloaded error while the model is loading (clients retry 529)."""
         if self.engine is None or self.tokenizer is None:

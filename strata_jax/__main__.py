@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.main import serve
+    from server.main import EXIT_STUCK, serve
 
     model_dir = Path(args.model)
     if not model_dir.is_dir():
@@ -78,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
-        config = EngineConfig(slots=args.slots, max_context=args.ctx, draft=draft, draft_k=args.draft_k)
+        config = EngineConfig(slots=args.slots, max_context=args.ctx, draft=draft, draft_k=args.draft_k,
+                              watchdog_s=args.watchdog)
         drafter = None
         if draft_dir is not None:
             from strata_jax.engine.draft_model import DraftModelDrafter
@@ -91,8 +93,13 @@ def _serve(args: argparse.Namespace) -> int:
               flush=True)
         return engine, model.tokenizer, engine.context_length
 
-    return serve(load_engine, host=args.host, port=args.port, api_key=args.api_key, served_name=served_name,
+    code = serve(load_engine, host=args.host, port=args.port, api_key=args.api_key, served_name=served_name,
                  allow_insecure_public=args.allow_insecure_public)
+    if code == EXIT_STUCK:  # an engine thread may be stuck in a device call: interpreter shutdown could wait on it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
                      "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")
     srv.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step (default 4)")
+    srv.add_argument("--watchdog", type=float, default=120.0, metavar="SECONDS",
+                     help="an engine step running longer than this is taken as stuck: its requests fail with a "
+                          "retryable error, /health answers 503, and after 30 s more the server exits with code 70 "
+                          "for a supervisor to restart it (default 120; 0 = off)")
     srv.add_argument("--allow-insecure-public", action="store_true",
                      help="allow a non-loopback --host without an API key")
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

@@ -21,7 +21,7 @@ import numpy as np
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["IncrementalDecoder", "TemplateError", "Tokenizer", "load_tokenizer"]
+__all__ = ["IncrementalDecoder", "TemplateError", "Tokenizer", "TooManyTokens", "load_tokenizer"]
 
 # Named special-token attributes transformers exposes to templates (its SPECIAL_TOKENS_ATTRIBUTES).
 _SPECIAL_TOKEN_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -29,6 +29,37 @@ _SPECIAL_TOKEN_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Tokens that end a turn/document in Qwen-family models even when the config names only one eos.
 _QWEN_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+class TooManyTokens(ValueError):
+    """`Tokenizer.encode_in_pieces` found more tokens than its caller allows: `count` so far (all of them when
+    `exact`)."""
+
+    def __init__(self, count: int, exact: bool):
+        super().__init__(f"{count}{'' if exact else '+'} tokens")
+        self.count = count
+        self.exact = exact
+
+
+def _pieces(text: str, size: int) -> Iterable[str]:
+    """`text` cut into pieces of about `size` characters, each ending after a newline followed by a non-space
+    character (or at the end): pre-tokenizer boundaries of byte-level BPE. A text without such a place is one
+    piece."""
+    start, n = 0, len(text)
+    while n - start > size:
+        cut = start + size
+        while True:
+            cut = text.find("\n", cut)
+            if cut == -1 or cut + 1 >= n:
+                yield text[start:]
+                return
+            if not text[cut + 1].isspace():
+                break
+            cut += 1
+        yield text[start : cut + 1]
+        start = cut + 1
+    if start < n:
+        yield text[start:]
 
 
 class TemplateError(jinja2.exceptions.TemplateError):
@@ -170,6 +201,7 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer file not found: {tok_file}")
         self._path = path
         self._tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        self._pieces_ok: bool | None = None
 
         config_file = path / "tokenizer_config.json"
         config: dict[str, Any] = _read_json(config_file) if config_file.is_file() else {}
@@ -331,6 +363,37 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings inside `text` become their special ids."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_in_pieces(self, text: str, stop_after: int | None = None, piece_chars: int = 16384) -> list[int]:
+        """`encode(text)`, one piece of about `piece_chars` characters at a time: each call into the tokenizer
+        holds the interpreter lock only briefly, so a server thread encoding megabytes leaves the event loop
+        responsive. Pieces end after a newline that a non-space character follows, a place where the pre-tokenizers
+        of byte-level BPE vocabularies always split, so the ids equal `encode(text)`'s; tokenizers for which that
+        does not hold (checked once) are given the text whole. With `stop_after`, raises `TooManyTokens` as soon
+        as more than that many tokens are found (the count so far is a lower bound)."""
+        if not self._pieces_exact():
+            ids = self.encode(text)
+            if stop_after is not None and len(ids) > stop_after:
+                raise TooManyTokens(len(ids), exact=True)
+            return ids
+        ids: list[int] = []
+        done = 0
+        for piece in _pieces(text, piece_chars):
+            ids += self._tok.encode(piece, add_special_tokens=False).ids
+            done += len(piece)
+            if stop_after is not None and len(ids) > stop_after:
+                raise TooManyTokens(len(ids), exact=done == len(text))
+        return ids
+
+    def _pieces_exact(self) -> bool:
+        """Whether encoding in pieces gives the ids of encoding whole, for this tokenizer (checked once)."""
+        if self._pieces_ok is None:
+            sample = ("def f(x):\n    return x + 1\n\n\nclass A:\n\tpass\n};\n\nword \n  \n42\n"
+                      "<|im_start|>user\nHallo, Grüße 世界!\n<|im_end|>\n") * 3
+            whole = self.encode(sample)
+            pieced = [t for p in _pieces(sample, 8) for t in self._tok.encode(p, add_special_tokens=False).ids]
+            self._pieces_ok = whole == pieced
+        return self._pieces_ok
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`. No tokenization-space cleanup: transformers skips it for BPE tokenizers too."""

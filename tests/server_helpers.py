@@ -9,7 +9,6 @@ the official client SDKs can talk to it.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from strata_jax.engine.protocol import GenerationRequest, PromptTooLong, TokenEv
 from strata_jax.tokenizer import Tokenizer, load_tokenizer
 
 from server.listener import listen, make_runner
+from strata_jax.bench.fuzz_bodies import parse_sse  # noqa: F401 - re-exported for the tests
 
 TOKENIZER_DIR = Path(__file__).parent / "fixtures" / "tokenizer"
 CLAUDE_CODE_FIXTURES = Path(__file__).parent / "fixtures" / "claude_code"
@@ -171,18 +171,3 @@ class ServerThread:
         self._thread.join(30)
 
 
-def parse_sse(raw: str) -> list[tuple[str | None, Any]]:
-    """(event name, parsed data) of every frame of an SSE body; comment-only frames skipped."""
-    frames = []
-    for block in raw.replace("\r\n", "\n").split("\n\n"):
-        event, data = None, []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].lstrip())
-        if event is None and not data:
-            continue
-        payload = "\n".join(data)
-        frames.append((event, payload if payload == "[DONE]" else json.loads(payload)))
-    return frames

@@ -24,6 +24,9 @@ Mode `step`: the engine's decode step (one token for every slot) on a synthetic 
 real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
 host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
 the kernels the compiled step launches (from its HLO) times ~5 us each, and the fraction of the floor reached.
+Mode `fuzz`: seeded hostile bodies, bad credentials and a disconnect soak against a real `serve` process (the demo
+model unless `--model-dir`): status classes, 5xx, engine errors leaked to a stream alongside, leaked slots
+(strata_jax/bench/fuzz.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.bench.attention import attention_args, print_attention_table, run_attention
+from strata_jax.bench.fuzz import fuzz_args, print_fuzz_report, run_fuzz
 from strata_jax.bench.deltanet import deltanet_args, print_deltanet_table, run_deltanet
 from strata_jax.bench.hyper import hyper_args, print_hyper_table, run_hyper
 from strata_jax.bench.host import host_args, print_host_table, print_roundtrip_table, run_host_layer, run_roundtrip
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
-                                       "hyper", "attention"],
+                                       "hyper", "attention", "fuzz"],
                    default="users",
                    help="what to measure (default: users, the seed system's scenario)")
     p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
@@ -300,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     deltanet_args(p)
     hyper_args(p)
     attention_args(p)
+    fuzz_args(p)
     args = p.parse_args(argv)
     if args.mode == "users" and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
@@ -307,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     args.slots = [int(s) for s in args.slots.split(",")]
     args.verify_slots = [int(s) for s in args.verify_slots.split(",") if s]
     args.users = [int(u) for u in args.users.split(",")]
-    if args.mode == "users":
+    if args.mode == "fuzz":  # hostile bodies against a real server (strata_jax/bench/fuzz.py)
+        report = run_fuzz(args)
+        print_fuzz_report(report)
+        rows = [report]
+    elif args.mode == "users":
         rows = run_users(args)
         print_users_table(rows)
     elif args.mode == "quant":

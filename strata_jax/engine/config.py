@@ -21,6 +21,8 @@ class EngineConfig:
     prefill), launch step n+1 on step n's sampled tokens, still on the device, before reading them back: the host's
     per-step work (launch, read-back, stop checks, events) then overlaps the device's. A request that stops at step
     n has had one more token computed, which is discarded.
+    watchdog_s: an engine iteration (one prefill chunk plus one step) running longer than this is taken as stuck:
+    every request fails with a retryable error and `Engine.health()` turns false until the step returns (0 = off).
     """
 
     slots: int = 4
@@ -33,6 +35,7 @@ class EngineConfig:
     draft_k: int = 4
     adaptive_draft: bool = True
     overlap_steps: bool = True
+    watchdog_s: float = 120.0
 
     def __post_init__(self):
         if self.slots < 1:
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"draft must be 'none', 'ngram' or 'mtp', got {self.draft!r}")
         if not 1 <= self.draft_k <= 15:
             raise ValueError(f"draft_k must be in 1..15, got {self.draft_k}")
+        if not self.watchdog_s >= 0:
+            raise ValueError(f"watchdog_s must be >= 0 (0 = off), got {self.watchdog_s}")
         if not self.prefill_chunks or min(self.prefill_chunks) < 1:
             raise ValueError("prefill_chunks must be positive sizes")
         object.__setattr__(self, "prefill_chunks", tuple(sorted(set(self.prefill_chunks))))

@@ -5,14 +5,17 @@ scheduler deciding, the model runner executing) and the output thread (detokeniz
 from __future__ import annotations
 
 import asyncio
+import logging
+import numbers
 import secrets
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from strata_jax.loaded_model import LoadedModel
-from strata_jax.engine.protocol import GenerationRequest, PromptTooLong, TokenEvent
+from strata_jax.engine.protocol import EngineUnavailable, GenerationRequest, PromptTooLong, TokenEvent
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.drafters import Drafter, make_drafter
 from strata_jax.engine.job import Job
@@ -21,6 +24,8 @@ from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
 from strata_jax.engine.scheduler import Scheduler
 from strata_jax.engine.runner import ModelRunner, RunnerModel
 from strata_jax.model.cache import cache_bytes
+
+log = logging.getLogger("strata_jax.engine")
 
 
 class Engine:
@@ -51,6 +56,9 @@ class Engine:
         self._scheduler = Scheduler(model, self.config, self._runner, self.placement, self._drafter, self._output)
         self.compile_seconds = 0.0
         self._started = False
+        self._unavailable = ""  # why submit() refuses requests now ("" = it takes them)
+        self._closing = threading.Event()
+        self.watchdog_trips = 0
 
     def start(self) -> None:
         """Compiles every step (warm-up, with progress lines) and starts the engine and output threads."""
@@ -65,6 +73,37 @@ class Engine:
         self._output.start()
         self._scheduler.start()
         self._started = True
+        if self.config.watchdog_s > 0:
+            threading.Thread(target=self._watch, name="strata-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Trips when an iteration runs past `watchdog_s`: fails every request (their streams get a retryable
+        error at once) and reports unhealthy until the engine thread comes back from the step."""
+        limit = self.config.watchdog_s
+        tripped = False
+        while not self._closing.wait(min(1.0, limit / 4)):
+            since = self._scheduler.busy_since
+            stuck = since is not None and time.monotonic() - since > limit
+            if stuck and not tripped:
+                tripped = True
+                self.watchdog_trips += 1
+                self._unavailable = (f"an engine step has run for more than {limit:g}s (stuck); requests are "
+                                     "failed until it returns")
+                failed = self._scheduler.abandon(f"the engine is stuck (a step ran past {limit:g}s); retry later")
+                log.error("watchdog: %s; %d request(s) failed", self._unavailable, failed)
+                print(f"watchdog: {self._unavailable}; {failed} request(s) failed", file=sys.stderr, flush=True)
+            elif tripped and not stuck:
+                tripped = False
+                self._unavailable = ""
+                log.warning("watchdog: the stuck step returned; the engine takes requests again")
+                print("watchdog: the stuck step returned; the engine takes requests again", file=sys.stderr,
+                      flush=True)
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why not): unhealthy while the watchdog sees a stuck step, or once shutting down."""
+        if not self._started:
+            return False, "the engine is not started"
+        return (not self._unavailable), self._unavailable
 
     def _warm_up_host_tier(self) -> float:
         """Compiles the host experts' shapes (up to every row a step can route to one expert); returns seconds."""
@@ -77,9 +116,13 @@ class Engine:
               f"{time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
         return time.monotonic() - t0
 
-    def shutdown(self) -> None:
-        """Stops the engine thread (requests still running end with an error event), then the output thread."""
-        self._scheduler.stop()
+    def shutdown(self, message: str = "the server is shutting down; retry shortly", timeout: float = 2.0) -> None:
+        """Refuses new requests, ends every queued and running one at once with a retryable error event
+        (`message`), stops the engine thread (waiting at most `timeout` s for a step it is running) and the
+        output thread (after it delivered those events)."""
+        self._unavailable = message
+        self._closing.set()
+        self._scheduler.stop(message, timeout=timeout)
         self._output.stop()
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -87,18 +130,18 @@ class Engine:
         run. Closing the stream early (client gone) cancels the request and frees its slot."""
         if not self._started:
             raise RuntimeError("engine not started")
+        if self._unavailable:
+            raise EngineUnavailable(self._unavailable)
         n = len(request.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.context_length:
             raise PromptTooLong(n, self.context_length - 1)
-        if request.sampling.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if not request.request_id:
-            request = GenerationRequest(request.prompt_ids, request.sampling, uuid.uuid4().hex)
+        sampling = request.sampling.checked(vocab)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        request = GenerationRequest(request.prompt_ids, sampling, request.request_id or uuid.uuid4().hex)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(31)
@@ -133,4 +176,7 @@ class Engine:
         self._scheduler.cancel(request_id)
 
     def stats(self) -> dict[str, float]:
-        return self._scheduler.snapshot_stats()
+        """Counters and gauges for /metrics (see `EngineProtocol.stats`), with the watchdog's."""
+        healthy, _ = self.health()
+        return {**self._scheduler.snapshot_stats(), "engine_healthy": int(healthy),
+                "watchdog_trips_total": self.watchdog_trips}

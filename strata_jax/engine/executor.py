@@ -57,15 +57,18 @@ class StepExecutor:
     def prefill(self, job: Job) -> int | None:
         """Runs `job`'s next prompt chunk (cut on the largest chunk's grid); returns the token sampled after the
         prompt's last chunk, else None."""
-        grid = self.config.chunk
-        end = min(len(job.prompt), (job.pos // grid + 1) * grid)
+        grid, fill = self.config.chunk, job.fill
+        end = min(len(fill), (job.pos // grid + 1) * grid)
         n = end - job.pos
         size = next(c for c in self.config.prefill_chunks if c >= n)
         tokens = np.zeros((1, size), np.int32)
-        tokens[0, :n] = job.prompt[job.pos : end]
-        rows, ctx = self.model.ple_inputs(job.ple_ctx, tokens, np.array([n]))
-        following = job.prompt[end] if end < len(job.prompt) else -1
-        out = self.runner.prefill(job.slot, tokens, n, following, rows, job.sampling)
+        try:
+            tokens[0, :n] = fill[job.pos : end]
+            rows, ctx = self.model.ple_inputs(job.ple_ctx, tokens, np.array([n]))
+            following = fill[end] if end < len(fill) else -1
+            out = self.runner.prefill(job.slot, tokens, n, following, rows, job.sampling)
+        except Exception as e:  # this step ran this job alone: the failure is its own
+            raise Job.Failed(job, e) from e
         self.after_step("prefill", out.counts)
         job.device_drafts = [int(t) for t in out.drafts]
         job.pos, job.ple_ctx, job.consumed = end, ctx, end
@@ -153,6 +156,10 @@ class StepExecutor:
         """No request decodes any more: the wait for the next decode step is not a stall."""
         self._last_decode = 0.0
 
+    def state_lost(self) -> bool:
+        """Whether a failed call consumed the slot cache (its donated buffers are gone)."""
+        return self.runner.cache_lost()
+
     def recover(self) -> None:
         """After a failed step: a fresh slot cache, nothing in flight."""
         self.runner.recover()
@@ -173,9 +180,14 @@ class StepExecutor:
 
     def _sampling(self, jobs: list[Job]) -> tuple[np.ndarray, ...]:
         s = self.config.slots
-        temperature, top_k, top_p, seed = np.zeros(s), np.zeros(s), np.ones(s), np.zeros(s)
+        # The step's own dtypes: a value one of them cannot hold fails its job here, not the shared step.
+        temperature, top_k = np.zeros(s, np.float32), np.zeros(s, np.int32)
+        top_p, seed = np.ones(s, np.float32), np.zeros(s, np.uint32)
         for job in jobs:
-            temperature[job.slot], top_k[job.slot], top_p[job.slot], seed[job.slot] = job.sampling
+            try:
+                temperature[job.slot], top_k[job.slot], top_p[job.slot], seed[job.slot] = job.sampling
+            except Exception as e:  # one job's values must not fail the step that runs everybody
+                raise Job.Failed(job, e) from e
         return (temperature, top_k, top_p, seed)
 
     def _stacked_contexts(self, jobs: list[Job]) -> list[np.ndarray]:

@@ -10,7 +10,7 @@ from strata_jax.engine.output import RequestOutput, RequestStream
 from strata_jax.engine.protocol import FinishReason, GenerationRequest
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a job is itself: compared and hashed by identity
 class Job:
     """A request inside the engine: where it sits, what the device has consumed, what it generated."""
 
@@ -32,6 +32,15 @@ class Job:
     backoff: int = 0  # steps left without drafting
     drafted: int = 0
     accepted: int = 0
+    refilling: bool = False  # prefilling prompt + generated[:-1] again after the slot's state was lost
+
+    class Failed(Exception):
+        """Something about this one job failed (its inputs, or a step that ran it alone): fail it alone."""
+
+        def __init__(self, job: Job, cause: BaseException):
+            super().__init__(f"{type(cause).__name__}: {cause}")
+            self.job = job
+            self.cause = cause
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -39,7 +48,7 @@ class Job:
 
     @property
     def prefilling(self) -> bool:
-        return self.pos < len(self.prompt)
+        return self.pos < len(self.fill)
 
     @property
     def sampling(self) -> tuple[float, int, float, int]:
@@ -47,10 +56,17 @@ class Job:
         s = self.request.sampling
         return (float(s.temperature), int(s.top_k), float(s.top_p), self.seed)
 
-    def output(self, tokens: list[int], reason: FinishReason | None, at: float, error: str | None = None
-               ) -> RequestOutput:
+    def output(self, tokens: list[int], reason: FinishReason | None, at: float, error: str | None = None,
+               retryable: bool = False) -> RequestOutput:
         """This step's output of the job for the output processor, with its usage so far."""
         return RequestOutput(
             self.stream, tuple(tokens), reason, error, cached_tokens=self.cached, admitted=self.admitted,
             first_token=self.first_token, draft_tokens=self.drafted, accepted_draft_tokens=self.accepted, at=at,
+            retryable=retryable,
         )
+
+    @property
+    def fill(self) -> tuple[int, ...]:
+        """The tokens prefill must put in the slot: the prompt, plus (after the slot's state was lost to another
+        request's failed step) the tokens generated so far but the last, which the next decode step feeds."""
+        return self.request.prompt_ids + (tuple(self.generated[:-1]) if self.refilling else ())

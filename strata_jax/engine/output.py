@@ -57,6 +57,7 @@ class RequestOutput:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     at: float = 0.0
+    retryable: bool = False  # the error is the engine's state (shutdown, watchdog), not the request's
 
 
 def cut_stop_strings(held: str, text: str, stops: Sequence[str]) -> tuple[str, str | None, str]:
@@ -132,7 +133,7 @@ class OutputProcessor:
         if output.finish_reason is not None and not output.token_ids:
             stream.done = True
             if output.finish_reason == "error":
-                stream.emit(TokenEvent(None, finish_reason="error", error=output.error))
+                stream.emit(TokenEvent(None, finish_reason="error", error=output.error, retryable=output.retryable))
             else:
                 stream.emit(TokenEvent(None, finish_reason=output.finish_reason, completion_tokens=stream.sent))
 

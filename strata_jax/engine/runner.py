@@ -143,6 +143,10 @@ class ModelRunner:
         return init_cache(self.model.config, self.config.slots, self.config.max_context, self._cache_dtype,
                           with_mtp=bool(self.mtp_k))
 
+    def cache_lost(self) -> bool:
+        """Whether the slot cache is unusable: a call that failed after the cache was donated to it deleted it."""
+        return any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.cache))
+
     def recover(self) -> None:
         """A fresh, zeroed slot cache (after a failed step); every slot must be reset before reuse anyway."""
         self.cache = self._new_cache()

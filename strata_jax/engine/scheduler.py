@@ -56,6 +56,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.busy_since: float | None = None  # when the iteration running now began (the watchdog reads it)
+        self._abandoned: set[Job] = set()  # failed from outside while the engine thread was busy (watchdog, stop)
         # Overlapped decode needs next-step inputs that live on the device: no host drafter, no PLE rows.
         self._can_overlap = config.overlap_steps and drafter is None and not model.config.ple_layers
 
@@ -64,12 +66,29 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, message: str = "the engine is shutting down", timeout: float = 2.0) -> None:
+        """Ends every request at once with a retryable error event (`message`), then stops the engine thread,
+        waiting at most `timeout` seconds for the step it may be running."""
+        self.abandon(message)
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
+
+    def abandon(self, message: str) -> int:
+        """Fails every queued and running request now, from any thread, with a retryable error event - even while
+        the engine thread is stuck in a step. Their slots are freed when (if) that step returns. Returns how many
+        requests were failed."""
+        now = time.monotonic()
+        with self._cond:
+            jobs = [j for j in self._slots if j is not None and j not in self._abandoned] + list(self._queue)
+            self._queue.clear()
+            self._abandoned.update(j for j in jobs if j.slot >= 0)
+            self._cond.notify_all()
+        for job in jobs:
+            self.output.put(job.output([], "error", now, error=message, retryable=True))
+        return len(jobs)
 
     def add(self, job: Job) -> None:
         """Queues a job (its stream is open at the output processor)."""
@@ -108,6 +127,7 @@ class Scheduler:
                 "decode_steps_total": self.counters["decode_steps"],
                 "prefill_chunks_total": self.counters["prefill_chunks"],
                 "cancelled_total": self.counters["cancelled"],
+                "refilled_slots_total": self.counters["refilled"],  # slots refilled after another's failed step
                 "draft_tokens_total": self.counters["drafted"],
                 "accepted_draft_tokens_total": self.counters["accepted"],
                 "verify_steps_total": self.counters["verify_steps"],
@@ -128,15 +148,30 @@ class Scheduler:
                 cancelled, self._cancelled = self._cancelled, set()
                 ended, self._ended = self._ended, {}
                 self._drop_cancelled_queued(cancelled)
+                self.busy_since = time.monotonic()
             try:
+                self._release_abandoned()
                 self._iteration(cancelled, ended)
-            except Exception as e:  # a failed step must not take the other users down with the thread
+            except Job.Failed as e:  # one request's inputs, or a step that ran it alone: it fails alone
+                log.warning("request %s failed: %s", e.job.request.request_id, e)
+                self._fail_job(e.job, f"request failed: {e}")
+            except Exception as e:  # a failed shared step must not take the other users down with the thread
                 log.exception("engine step failed")
                 self._fail_all(f"engine error: {e}")
+            finally:
+                self.busy_since = None
+        self.abandon("the engine stopped")
+
+    def _release_abandoned(self) -> None:
+        """Frees the slots of requests failed from outside (their events went out already). The state of a step
+        the watchdog gave up on is not trusted: a fresh cache, and the surviving requests refill theirs."""
         with self._cond:
-            jobs = [j for j in self._slots if j is not None] + list(self._queue)
-        for job in jobs:
-            self.output.put(job.output([], "error", time.monotonic(), error="engine stopped"))
+            abandoned, self._abandoned = self._abandoned, set()
+        if not abandoned:
+            return
+        for job in abandoned:
+            self._free(job)
+        self._lose_state()
 
     def _drop_cancelled_queued(self, cancelled: set[str]) -> None:
         for job in [j for j in self._queue if j.request.request_id in cancelled]:
@@ -232,8 +267,10 @@ class Scheduler:
     def _prefill(self, job: Job) -> None:
         token = self.executor.prefill(job)
         if job.pos % self.config.snapshot_every == 0:
-            self.prefix_cache.insert(job.prompt[: job.pos], self.runner.read(job.slot))
-        if token is not None:
+            self.prefix_cache.insert(job.fill[: job.pos], self.runner.read(job.slot))
+        if token is not None and job.refilling:  # a refill after lost state: its next token is known already
+            job.refilling = False
+        elif token is not None:
             job.first_token = time.monotonic()
             self._accept(job, [token])
 
@@ -301,17 +338,42 @@ class Scheduler:
         fed = len(seq) - 1 <= job.consumed <= len(seq)
         if snapshot and len(seq) > len(job.prompt) and not job.prefilling and fed:
             self.prefix_cache.insert(seq[: job.consumed], self.runner.read(job.slot))
-        with self._cond:
-            if 0 <= job.slot < len(self._slots) and self._slots[job.slot] is job:
-                self._slots[job.slot] = None
+        self._free(job)
         if reason is not None:
             self.output.put(job.output(tokens or [], reason, time.monotonic() if at is None else at))
 
+    def _free(self, job: Job) -> None:
+        with self._cond:
+            if 0 <= job.slot < len(self._slots) and self._slots[job.slot] is job:
+                self._slots[job.slot] = None
+
+    def _fail_job(self, job: Job, message: str) -> None:
+        """Fails one request; if the failed call consumed the slot cache, the others refill their state."""
+        self._free(job)
+        self.output.put(job.output([], "error", time.monotonic(), error=message))
+        if self.executor.state_lost():
+            self._lose_state()
+
+    def _lose_state(self) -> None:
+        """A fresh slot cache (and nothing in flight). Every running request refills its slot with what it has
+        consumed so far (its prompt and generated tokens, the prefix cache helping) and goes on exactly where it
+        was: its output is the same as if nothing had happened."""
+        self.executor.recover()  # a step in flight is dropped: its tokens are computed again
+        for job in [j for j in self._slots if j is not None]:
+            job.refilling = bool(job.generated)
+            job.pos = job.consumed = 0
+            job.device_drafts = []
+            snap = self.prefix_cache.lookup(job.fill)
+            if snap is not None:
+                self.runner.write(job.slot, self.prefix_cache.restore(snap, self.kv_len))
+                job.pos = job.consumed = len(snap.tokens)
+            job.ple_ctx = self.model.ple_context(job.fill[: job.pos])
+            self.counters["refilled"] += 1
+
     def _fail_all(self, message: str) -> None:
-        """Fails the running requests (queued ones wait) and rebuilds the slot cache, whose buffers a failed
-        donated call may have consumed."""
+        """After a shared step failed (no single request to blame): fails the running requests (queued ones wait)
+        and rebuilds the slot cache, whose buffers the failed donated call may have consumed."""
         for job in [j for j in self._slots if j is not None]:
             self.output.put(job.output([], "error", time.monotonic(), error=message))
-            with self._cond:
-                self._slots[job.slot] = None
+            self._free(job)
         self.executor.recover()

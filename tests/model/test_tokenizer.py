@@ -173,3 +173,28 @@ def _copy_fixture(tmp_path: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FIXTURE_DIR / name, d / name)
     return d
+
+
+@pytest.mark.parametrize("where", ["tokenizer", "demo", "ckpt/qwen3_next"])
+def test_encoding_in_pieces_equals_encoding_whole(where: str) -> None:
+    """The server encodes long prompts in pieces (the event loop stays responsive): same ids as one call, on the
+    Claude Code fixture's rendered prompt and on text with every kind of line ending and indentation."""
+    import random
+
+    from strata_jax.demo import DEMO_MODEL
+    from strata_jax.tokenizer import TooManyTokens
+
+    tok = load_tokenizer(DEMO_MODEL if where == "demo" else FIXTURE_DIR.parent / where)
+    body = json.loads((FIXTURE_DIR.parent / "claude_code" / "claude_code_first_turn.json").read_text())["body"]
+    system = "\n".join(b["text"] for b in body["system"])
+    texts = [system + json.dumps(body["tools"], indent=2)]
+    rng = random.Random(0)
+    parts = ["\n", "\n\n", "\r\n", "  ", "\t", "};", "x", "é", "世", "42", " ", "<|im_start|>", "'s", "ab"]
+    texts += ["".join(rng.choice(parts) for _ in range(4000)) for _ in range(4)]
+    for text in texts:
+        whole = tok.encode(text)
+        for size in (1, 7, 64, 1000):
+            assert tok.encode_in_pieces(text, piece_chars=size) == whole
+    with pytest.raises(TooManyTokens) as info:
+        tok.encode_in_pieces(texts[0], stop_after=1000, piece_chars=512)
+    assert 1000 < info.value.count < len(tok.encode(texts[0])) and not info.value.exact

@@ -66,8 +66,42 @@ def test_serve_cli_end_to_end():
         msg = c.messages.create(model="demo", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
                                 extra_body={"temperature": 0})
         assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 5
+        # SIGTERM with two streams running (one per API): each ends at once with the API's retryable error
+        # (Anthropic overloaded_error event; OpenAI error chunk, then [DONE]) and the server exits within ~2 s.
+        streams = {"anthropic": ("/v1/messages", {"model": "demo", "max_tokens": 230, "stream": True,
+                                                  "temperature": 0, "messages": [{"role": "user", "content": "hi"}],
+                                                  "stop_sequences": ["never-in-output-stop"]}),
+                   "openai": ("/v1/chat/completions", {"model": "demo", "max_tokens": 230, "stream": True,
+                                                       "temperature": 0, "stop": ["never-in-output-stop"],
+                                                       "messages": [{"role": "user", "content": "hello"}]})}
+        started, out = threading.Semaphore(0), {}
+
+        def stream(name, path, body):
+            lines = []
+            with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 6:
+                        started.release()
+            out[name] = lines
+            started.release()
+
+        threads = [threading.Thread(target=stream, args=(k, *v), daemon=True) for k, v in streams.items()]
+        for t in threads:
+            t.start()
+        assert started.acquire(timeout=60) and started.acquire(timeout=60)
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert proc.wait(30) == 0
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(10)
+        assert took < 3.0, f"exit took {took:.1f}s"
+        anthropic_tail = "\n".join(out["anthropic"][-3:])
+        assert "event: error" in anthropic_tail and "overloaded_error" in anthropic_tail, out["anthropic"][-6:]
+        assert "message_stop" not in "\n".join(out["anthropic"])
+        assert out["openai"][-1] == "data: [DONE]" or out["openai"][-2] == "data: [DONE]", out["openai"][-6:]
+        assert any('"error"' in line and "shutting down" in line for line in out["openai"][-4:]), out["openai"][-6:]
     finally:
         if proc.poll() is None:
             proc.kill()

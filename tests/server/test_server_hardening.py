@@ -311,3 +311,57 @@ def test_slow_clients_cannot_hold_sockets(tokenizer):
         assert server.guard.refused == 1 and server.guard.timed_out >= 1
     finally:
         server.stop()
+
+
+def _health_latencies(server, busy) -> list[float]:
+    """/health round trips (seconds) measured while `busy()` runs in another thread."""
+    import threading
+
+    done, latencies = threading.Event(), []
+    result = {}
+
+    def work():
+        try:
+            result["response"] = busy()
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    thread.join()
+    return latencies, result["response"]
+
+
+def test_health_stays_fast_while_a_10_mb_prompt_is_tokenized(tokenizer):
+    """6: a 10 MB prompt is rendered and tokenized off the event loop in pieces: /health keeps answering (the
+    issue's bound is 100 ms; asserted with room for a loaded 2-core CI machine). With the context far smaller than
+    the prompt, tokenizing stops at twice the context."""
+    big = ("def handler(request):\n    return request.json()['value'] + 1\n" * 170_000)[:10_000_000]
+    body = {"model": "m", "messages": [{"role": "user", "content": big}]}
+    for context, expect in ((50_000_000, 200), (65_536, 400)):
+        engine = ScriptedEngine(tokenizer, "Hello", context_length=context)
+        server = ServerThread(create_app(engine, tokenizer, served_name="m", api_key=None, context_length=context,
+                                         max_body_bytes=32 * 2**20))
+        try:
+            t0 = time.monotonic()
+            latencies, r = _health_latencies(server, lambda: post(server, COUNT, body))
+            took = time.monotonic() - t0
+            assert r.status_code == expect, r.text[:300]
+            worst = max(latencies)
+            print(f"context {context}: count_tokens of 10 MB answered {r.status_code} in {took:.1f}s; /health "
+                  f"{len(latencies)} probes, median {sorted(latencies)[len(latencies) // 2] * 1e3:.0f} ms, worst "
+                  f"{worst * 1e3:.0f} ms")
+            assert worst < 0.5
+            if expect == 400:
+                message = assert_error(r, 400, "prompt is too long: more than ")["error"]["message"]
+                assert int(message.split()[6]) > 2 * 65535 and message.endswith("tokens > 65535 maximum")
+            else:
+                assert r.json()["input_tokens"] > 2_000_000
+        finally:
+            server.stop()

@@ -1,0 +1,126 @@
+"""Reproduces the CPU engine hang (issue 20, item 9): many fresh engines, each given a few simultaneous greedy
+requests while busy loops load every core. Prints one line per run (ok / HANG) and a summary.
+
+    python -m tools.hang_repro --runs 12 [--eigen-single] [--serve]
+
+--serve runs the real server (`python -m strata_jax serve`, port 0) and sends the requests over HTTP, as the
+original report did; without it the engine is driven in-process.
+
+Each run is a subprocess with its own timeout, so a hung run is counted, not waited on forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import asyncio, sys, time
+import strata_jax
+from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+model = strata_jax.load_model(sys.argv[1])
+engine = Engine(model, EngineConfig(slots=4, max_context=1024, draft="none"))
+engine.start()
+async def one(i):
+    s = await engine.submit(GenerationRequest(tuple(range(5 + i, 45 + i)), SamplingParams(max_tokens=40)))
+    return [e async for e in s]
+async def main():
+    return await asyncio.gather(*(one(i) for i in range(int(sys.argv[2]))))
+t = time.monotonic()
+asyncio.run(main())
+print(f"served in {time.monotonic() - t:.2f}s", flush=True)
+engine.shutdown()
+"""
+
+
+def _serve_once(args, env) -> str:
+    """One server run: start, wait for `listening on`, send the requests at once; raises TimeoutExpired."""
+    import json
+    import re
+    import threading
+    import urllib.request
+
+    deadline = time.monotonic() + args.timeout
+    proc = subprocess.Popen([sys.executable, "-m", "strata_jax", "serve", "--model", args.model, "--slots", "4",
+                             "--ctx", "1024", "--port", "0", "--watchdog", "0"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        for line in proc.stdout:
+            if m := re.search(r"listening on (http://\S+)", line):
+                url = m.group(1)
+                break
+        if url is None:
+            return f"server exited: rc={proc.wait()}"
+        results = []
+
+        def ask(i):
+            body = json.dumps({"model": "x", "max_tokens": 40, "temperature": 0,
+                               "messages": [{"role": "user", "content": f"hello number {i}"}]}).encode()
+            req = urllib.request.Request(url + "/v1/messages", body, {"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=max(1.0, deadline - time.monotonic())) as r:
+                results.append(r.status)
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(args.requests)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if len(results) < args.requests:
+            raise subprocess.TimeoutExpired("serve", args.timeout)
+        return f"served {results} in {time.monotonic() - t0:.2f}s"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=12)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=90.0, help="seconds before a run counts as hung")
+    ap.add_argument("--load", type=int, default=os.cpu_count() or 2, help="busy loops beside each run")
+    ap.add_argument("--eigen-single", action="store_true", help="run with --xla_cpu_multi_thread_eigen=false")
+    ap.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal")
+    ap.add_argument("--serve", action="store_true", help="through the HTTP server, as first reported")
+    args = ap.parse_args()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if args.eigen_single:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+    stop = multiprocessing.Event()
+    spinners = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.load)]
+    for p in spinners:
+        p.start()
+    hangs = 0
+    try:
+        for i in range(args.runs):
+            t0 = time.monotonic()
+            try:
+                if args.serve:
+                    print(f"run {i}: {_serve_once(args, env)} ({time.monotonic() - t0:.0f}s)", flush=True)
+                    continue
+                r = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.requests)], env=env,
+                                   capture_output=True, text=True, timeout=args.timeout)
+                tail = (r.stdout.strip().splitlines() or [r.stderr.strip()[-200:]])[-1]
+                print(f"run {i}: rc={r.returncode} {tail} ({time.monotonic() - t0:.0f}s)", flush=True)
+            except subprocess.TimeoutExpired:
+                hangs += 1
+                print(f"run {i}: HANG (no answer in {args.timeout:.0f}s)", flush=True)
+    finally:
+        stop.set()
+    print(f"{hangs} hung of {args.runs} (eigen_single={args.eigen_single}, load={args.load}, serve={args.serve})",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
