@@ -67,6 +67,7 @@ def serve(load_engine: LoadEngine, *, host: str, port: int, api_key: str | None,
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.INFO)  # one line per request
     logging.getLogger("strata.server").setLevel(logging.INFO)  # e.g. requests cancelled by a client
+    logging.getLogger("strata_jax.engine").setLevel(logging.INFO)  # long prompts' prefill progress and first token
     try:
         return asyncio.run(_serve(load_engine, host, port, api_key, served_name, max_body_bytes, stuck_exit_s))
     except KeyboardInterrupt:

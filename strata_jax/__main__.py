@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
 
 from strata_jax.demo import DEMO_MODEL
+from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from strata_jax import load_model
+    import jax
 
-    model = load_model(args.model, dtype=args.dtype)
+    from strata_jax import load_model
+    from strata_jax.engine.planner import default_dtype
+
+    model = load_model(args.model, dtype=args.dtype or default_dtype(jax.default_backend()))
     tok = model.tokenizer
     if tok is None:
         print(f"error: {args.model} has no tokenizer.json", file=sys.stderr)
@@ -54,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     for flag, value, bound in (("--slots", args.slots, 1), ("--ctx", args.ctx, 2), ("--port", args.port, 0)):
-        if value < bound:
+        if value is not None and value < bound:
             print(f"error: {flag} must be >= {bound}", file=sys.stderr)
             return 2
     draft, draft_dir = args.draft, None
@@ -65,7 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.vram_budget_mib is not None and args.vram_budget_mib <= 0:
         print("error: --vram-budget-mib must be > 0", file=sys.stderr)
         return 2
-    gpu_experts = _serve_plan(args, model_dir)  # before JAX starts its backend: the allocator follows the plan
+    setup = _serve_plan(args, model_dir)  # before JAX starts its backend: the allocator follows the plan
+    gpu_experts, ctx, dtype = setup.gpu_experts, setup.ctx, setup.dtype
     served_name = args.served_name or model_dir.resolve().name
 
     def load_engine():
@@ -73,24 +79,24 @@ def _serve(args: argparse.Namespace) -> int:
         from strata_jax.engine import Engine, EngineConfig
 
         started = time.monotonic()
-        print(f"loading {model_dir} ({args.dtype}) ...", flush=True)
-        model = load_model(model_dir, dtype=args.dtype, gpu_experts=gpu_experts, host_kernel=args.host_kernel,
+        print(f"loading {model_dir} ({dtype}) ...", flush=True)
+        model = load_model(model_dir, dtype=dtype, gpu_experts=gpu_experts, host_kernel=args.host_kernel,
                            host_workers=args.pool_workers)
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
-        config = EngineConfig(slots=args.slots, max_context=args.ctx, draft=draft, draft_k=args.draft_k,
+        config = EngineConfig(slots=args.slots, max_context=ctx, draft=draft, draft_k=args.draft_k,
                               watchdog_s=args.watchdog)
         drafter = None
         if draft_dir is not None:
             from strata_jax.engine.draft_model import DraftModelDrafter
 
             print(f"loading draft model {draft_dir} ...", flush=True)
-            drafter = DraftModelDrafter(load_model(draft_dir, dtype=args.dtype), config, model.config.vocab_size)
+            drafter = DraftModelDrafter(load_model(draft_dir, dtype=dtype), config, model.config.vocab_size)
         engine = Engine(model, config, drafter=drafter)
         engine.start()
-        print(f"engine ready ({args.slots} slots x {args.ctx} tokens) after {time.monotonic() - started:.1f}s",
-              flush=True)
+        print(f"engine ready ({args.slots} slots x {engine.context_length} tokens of context, {dtype} weights) after "
+              f"{time.monotonic() - started:.1f}s", flush=True)
         return engine, model.tokenizer, engine.context_length
 
     code = serve(load_engine, host=args.host, port=args.port, api_key=args.api_key, served_name=served_name,
@@ -118,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                     help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     gen.set_defaults(func=_generate)
 
@@ -132,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
     srv.add_argument("--slots", type=int, default=4, help="concurrent requests decoded together (default 4)")
-    srv.add_argument("--ctx", type=int, default=4096, help="context tokens per slot, prompt + output (default 4096)")
+    srv.add_argument("--ctx", type=int, default=None,
+                     help="context tokens per slot, prompt + output. Default: from the memory plan, the largest "
+                     f"that fits --slots on the device without moving experts off it, at least {AGENT_CONTEXT:,} "
+                     f"where that fits (Claude Code's first request alone is ~34k tokens), up to the model's "
+                     f"max_position_embeddings (at most {MAX_DEFAULT_CONTEXT:,}); on a CPU (no device memory "
+                     f"statistics) {CPU_CONTEXT:,}. The choice and why are printed at start")
     srv.add_argument("--api-key", default=None, help="require this key (x-api-key or Authorization: Bearer); "
                      "default $STRATA_API_KEY")
     srv.add_argument("--served-name", default=None, help="model name in /v1/models (default: the model dir's name)")
@@ -158,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "for a supervisor to restart it (default 120; 0 = off)")
     srv.add_argument("--allow-insecure-public", action="store_true",
                      help="allow a non-loopback --host without an API key")
-    srv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    srv.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                     help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU; the backend is read by "
+                     "the start-up device probe)")
     srv.set_defaults(func=_serve)
     qnt = sub.add_parser(
         "quantize",
@@ -184,11 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", default=None, help="HF or converted checkpoint directory (default: the bundled demo)")
     src.add_argument("--preset", default=None, help="a synthetic preset instead, e.g. flash-next-125b")
     pln.add_argument("--slots", type=int, default=4, help="concurrent sequences (default 4)")
-    pln.add_argument("--ctx", type=int, default=4096, help="context tokens per slot (default 4096)")
+    pln.add_argument("--ctx", type=int, default=None,
+                     help="context tokens per slot (default: what serve would choose, the largest that fits without "
+                     f"moving experts off the device, at least {AGENT_CONTEXT:,} where it fits)")
     pln.add_argument("--planes", type=int, default=None, choices=[0, 1, 2, 3, 4],
                      help="expert bit-planes (default 1; 0 = dense experts; a converted dir's own value wins)")
     pln.add_argument("--group", type=int, default=None, choices=[64, 128, 256], help="inputs per scale (default 128)")
-    pln.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="dense weights (default bfloat16)")
+    pln.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                     help="dense weights (default bfloat16, serve's default on a GPU)")
     pln.add_argument("--cache-dtype", choices=["bfloat16", "float32"], default=None, help="default: --dtype")
     pln.add_argument("--vram-reserve-mib", type=int, default=1536, help="device memory to leave free (default 1536)")
     pln.add_argument("--vram-budget-mib", type=int, default=None, help="act as a card of this size (required on CPU)")
@@ -197,44 +214,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve_plan(args: argparse.Namespace, model_dir: Path) -> int | None:
-    """serve's start-up plan: probe the device (in a child process), plan, print the plan and the CPU budget, set
-    the allocator's environment. Returns the device expert pool size (None: every expert resident). Raises
-    ValueError when the plan refuses."""
+@dataclasses.dataclass(frozen=True)
+class ServeSetup:
+    """What serve's start-up plan decided: the device expert pool size (None: every expert resident), the context
+    per slot and the weights' dtype."""
+
+    gpu_experts: int | None
+    ctx: int
+    dtype: str
+
+
+def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
+    """serve's start-up plan: probe the device (in a child process, so that this process's backend starts only after
+    the allocator's environment is set), choose the weights' dtype and the context where not given, plan, print the
+    plan and the CPU budget, set the allocator's environment. Raises ValueError when the plan refuses."""
     import os
 
     from strata_jax.host.cpu_quota import cpu_budget, describe
+    from strata_jax.engine.config import EngineConfig
     from strata_jax.engine.planner import (
         DEFAULT_RESERVE_MIB,
         allocator_env,
         apply_env,
+        choose_context,
+        default_dtype,
         format_plan,
         make_plan,
-        probe_device_memory,
+        probe_device,
     )
 
     if args.gpu_experts is not None and not (model_dir / "strata_quant.json").is_file():
         raise ValueError("--gpu-experts needs packed experts: convert the checkpoint with `python -m strata_jax "
                          "quantize` first")
     budget = cpu_budget(pool_workers=args.pool_workers)
-    device = probe_device_memory()
+    probe = probe_device()
+    device = probe.memory
+    dtype = args.dtype or default_dtype(probe.backend)  # load_model builds dense weights in it, whatever was stored
+    if args.dtype is None:
+        seen = f"the {probe.backend} backend" if probe.backend else "the device probe failed"
+        print(f"weights: {dtype} (default for {seen}; --dtype to change)", flush=True)
+    cfg, quant, _, with_mtp = _checkpoint_shapes(model_dir, None, None, dtype, quantized_only=True)
+    reserve = DEFAULT_RESERVE_MIB if args.vram_reserve_mib is None else args.vram_reserve_mib
+    engine = EngineConfig(slots=args.slots)
+    ctx = choose_context(args.ctx, cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp,
+                         vram_reserve_mib=reserve, vram_budget_mib=args.vram_budget_mib, device=device)
+    print(f"context: {args.slots} slots x {ctx.tokens} tokens ({ctx.reason})", flush=True)
+    if ctx.tokens > cfg.max_position_embeddings:
+        print(f"note: the context exceeds the model's max_position_embeddings ({cfg.max_position_embeddings}): "
+              "positions past it were not trained", flush=True)
     if device is None and args.vram_budget_mib is None:
         print(describe(budget), flush=True)
         if args.gpu_experts is not None:
             print(f"host expert tier: --gpu-experts {args.gpu_experts} experts per MoE layer in the device pool, "
                   f"the others computed by {budget.workers} host worker(s) ({args.host_kernel})", flush=True)
-            return args.gpu_experts
+            return ServeSetup(args.gpu_experts, ctx.tokens, dtype)
         print("memory plan: no device memory statistics (CPU backend) and no --vram-budget-mib: every weight stays "
               "resident", flush=True)
-        return None
-    from strata_jax.engine.config import EngineConfig
-
-    cfg, quant, _, with_mtp = _checkpoint_shapes(model_dir, None, None, args.dtype, quantized_only=True)
-    dtype = args.dtype  # load_model builds the dense weights in --dtype, whatever the conversion stored
-    engine = EngineConfig(slots=args.slots, max_context=args.ctx)
-    reserve = DEFAULT_RESERVE_MIB if args.vram_reserve_mib is None else args.vram_reserve_mib
-    plan = make_plan(cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp, vram_reserve_mib=reserve,
-                     vram_budget_mib=args.vram_budget_mib, device=device)
+        return ServeSetup(None, ctx.tokens, dtype)
+    plan = make_plan(cfg, quant, dataclasses.replace(engine, max_context=ctx.tokens), weights_dtype=dtype,
+                     with_mtp=with_mtp, vram_reserve_mib=reserve, vram_budget_mib=args.vram_budget_mib, device=device)
     print(format_plan(plan), flush=True)
     print(describe(budget), flush=True)
     if not plan.fits:
@@ -251,7 +289,7 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> int | None:
         print(f"host expert tier: {pool} of {plan.num_experts} experts per MoE layer in the device pool, the others "
               f"computed by {budget.workers} host worker(s) ({args.host_kernel}); hot experts are promoted while "
               "serving", flush=True)
-    return pool
+    return ServeSetup(pool, ctx.tokens, dtype)
 
 
 def _checkpoint_shapes(model_dir: Path, planes: int | None, group: int | None, dtype: str | None,
@@ -290,7 +328,7 @@ def _plan(args: argparse.Namespace) -> int:
     from strata_jax.model.config import ExpertQuantization
     from strata_jax.engine.config import EngineConfig
     from strata_jax.host.cpu_quota import cpu_budget, describe
-    from strata_jax.engine.planner import device_memory, format_plan, make_plan
+    from strata_jax.engine.planner import choose_context, device_memory, format_plan, make_plan
 
     if args.preset:
         from strata_jax.bench.synthetic import preset_config
@@ -301,10 +339,15 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         cfg, quant, dtype, with_mtp = _checkpoint_shapes(Path(args.model or DEMO_MODEL), args.planes, args.group,
                                                          args.dtype)
-    engine = EngineConfig(slots=args.slots, max_context=args.ctx, cache_dtype=args.cache_dtype)
-    plan = make_plan(cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp,
-                     vram_reserve_mib=args.vram_reserve_mib, vram_budget_mib=args.vram_budget_mib,
-                     device=device_memory())
+    engine = EngineConfig(slots=args.slots, cache_dtype=args.cache_dtype)
+    device = device_memory()
+    ctx = choose_context(args.ctx, cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp,
+                         vram_reserve_mib=args.vram_reserve_mib, vram_budget_mib=args.vram_budget_mib, device=device)
+    plan = make_plan(cfg, quant, dataclasses.replace(engine, max_context=ctx.tokens), weights_dtype=dtype,
+                     with_mtp=with_mtp, vram_reserve_mib=args.vram_reserve_mib, vram_budget_mib=args.vram_budget_mib,
+                     device=device)
+    if ctx.source != "flag":
+        print(f"context: {args.slots} slots x {ctx.tokens} tokens ({ctx.reason})")
     print(format_plan(plan))
     print(describe(cpu_budget(pool_workers=args.pool_workers)), flush=True)
     if not plan.fits:

@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SLOW_FILES = {
     "bench/test_bench.py", "bench/test_bench_tier.py", "bench/test_bench_kernels.py", "cli/test_cli.py",
     "cli/test_plan_cli.py", "cli/test_packaging.py", "server/test_server_cli.py", "server/test_serve_tier.py",
-    "kernels/test_notebook.py", "engine/test_speculative.py",
+    "kernels/test_notebook.py", "engine/test_speculative.py", "engine/test_engine_faults.py",
 }
 SLOW_TESTS = {
     "engine/test_engine.py": {"test_batched_equals_alone_together_and_staggered", "test_bf16_cache_on_a_float32_model",
@@ -32,6 +32,7 @@ SLOW_TESTS = {
     "model/test_model_parity.py": {"test_eos_inside_sequence", "test_greedy_generation",
                                    "test_padded_rows_match_separate_runs", "test_prefill_in_odd_chunks"},
     "server/test_server_engine.py": {"test_eight_concurrent_streams_match_sequential_runs"},
+    "server/test_server_hardening.py": {"test_health_stays_fast_while_a_10_mb_prompt_is_tokenized"},
     "weights/test_layer_draft.py": {"test_layer_draft_is_the_source_model_truncated"},
     "weights/test_quantize.py": {"test_converted_directory_equals_quantize_on_load",
                                  "test_more_planes_track_the_dense_model_better",

@@ -24,6 +24,8 @@ Mode `step`: the engine's decode step (one token for every slot) on a synthetic 
 real shapes, for several slot counts. For each it reports the step time (device-only, and with the engine loop's
 host round trip), the bytes the step must read and their time at the copy bandwidth measured in the same run,
 the kernels the compiled step launches (from its HLO) times ~5 us each, and the fraction of the floor reached.
+Mode `prefill`: time to first token and prompt tok/s by prompt length (`--prompt-lengths`) on one slot of `--ctx`,
+against the compute floor (matmul FLOPs over the bf16 rate measured in the same run; strata_jax/bench/prefill.py).
 Mode `fuzz`: seeded hostile bodies, bad credentials and a disconnect soak against a real `serve` process (the demo
 model unless `--model-dir`): status classes, 5xx, engine errors leaked to a stream alongside, leaked slots
 (strata_jax/bench/fuzz.py).
@@ -47,11 +49,12 @@ from flax import nnx
 
 from strata_jax.bench.attention import attention_args, print_attention_table, run_attention
 from strata_jax.bench.fuzz import fuzz_args, print_fuzz_report, run_fuzz
+from strata_jax.bench.prefill import prefill_args, print_prefill_table, run_prefill
 from strata_jax.bench.deltanet import deltanet_args, print_deltanet_table, run_deltanet
 from strata_jax.bench.hyper import hyper_args, print_hyper_table, run_hyper
 from strata_jax.bench.host import host_args, print_host_table, print_roundtrip_table, run_host_layer, run_roundtrip
 from strata_jax.bench.tier import print_tier_table, run_tier, tier_args
-from strata_jax.bench.users import print_users_table, run_users, users_args
+from strata_jax.bench.users import bench_model, print_users_table, run_users, users_args
 from strata_jax.demo import DEMO_MODEL
 from strata_jax.model.config import ExpertQuantization
 from strata_jax.engine.steps import (
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
-                                       "hyper", "attention", "fuzz"],
+                                       "hyper", "attention", "fuzz", "prefill"],
                    default="users",
                    help="what to measure (default: users, the seed system's scenario)")
     p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
@@ -280,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="synthetic model shapes (step/tier modes: default flash-next-125b; users mode: benchmark "
                         "a synthetic model instead of the bundled demo)")
     p.add_argument("--slots", default="1,4,8,16,32", help="comma-separated slot counts")
-    p.add_argument("--ctx", type=int, default=4096, help="context per slot (KV cache length)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context per slot (KV cache length; default 4096; users mode: prompt + output + 16, while a "
+                        "server allocates far more, e.g. 65536: costs that grow with the allocation show with it)")
     p.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--verify-slots", default="1,4,8",
@@ -305,14 +310,21 @@ def main(argv: list[str] | None = None) -> int:
     hyper_args(p)
     attention_args(p)
     fuzz_args(p)
+    prefill_args(p)
     args = p.parse_args(argv)
-    if args.mode == "users" and args.model_dir is None and args.preset is None:
+    if args.mode in ("users", "prefill") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
     args.preset = args.preset or "flash-next-125b"
+    if args.mode not in ("users", "prefill") and args.ctx is None:
+        args.ctx = 4096
     args.slots = [int(s) for s in args.slots.split(",")]
     args.verify_slots = [int(s) for s in args.verify_slots.split(",") if s]
     args.users = [int(u) for u in args.users.split(",")]
-    if args.mode == "fuzz":  # hostile bodies against a real server (strata_jax/bench/fuzz.py)
+    if args.mode == "prefill":  # TTFT by prompt length against the compute floor (strata_jax/bench/prefill.py)
+        args.users, args.prompt_tokens, args.gen_tokens = [1], max(args.prompt_lengths), 1
+        rows = run_prefill(args, bench_model(args))
+        print_prefill_table(rows)
+    elif args.mode == "fuzz":  # hostile bodies against a real server (strata_jax/bench/fuzz.py)
         report = run_fuzz(args)
         print_fuzz_report(report)
         rows = [report]

@@ -69,7 +69,7 @@ def _planned_pool(args) -> int | None:
 
     cfg = load_config(args.model_dir) if args.model_dir else preset_config(args.preset)
     quant = ExpertQuantization(planes=args.planes or 1, group=args.group)
-    engine = EngineConfig(slots=max(args.users), max_context=args.prompt_tokens + args.gen_tokens + 16)
+    engine = EngineConfig(slots=max(args.users), max_context=users_context(args))
     plan = make_plan(cfg, quant, engine, weights_dtype=args.dtype, vram_budget_mib=args.vram_budget_mib,
                      vram_reserve_mib=args.vram_reserve_mib, device=device_memory())
     print(format_plan(plan), flush=True)
@@ -122,9 +122,17 @@ def _draft_model(directory: str, model: LoadedModel, config: EngineConfig, args)
     return DraftModelDrafter(draft, config, model.config.vocab_size)
 
 
+def users_context(args) -> int:
+    """The slots' context: `--ctx`, or just what the prompt and the output need."""
+    needed = args.prompt_tokens + args.gen_tokens + 16
+    if args.ctx is not None and args.ctx < needed:
+        raise ValueError(f"--ctx {args.ctx} is smaller than --prompt-tokens + --gen-tokens + 16 = {needed}")
+    return args.ctx or needed
+
+
 def run_users(args) -> list[dict]:
     model = bench_model(args)
-    ctx = args.prompt_tokens + args.gen_tokens + 16
+    ctx = users_context(args)
     bandwidth = copy_bandwidth(args.bandwidth_gib)
     net = nnx.merge(model.graphdef, model.state)
     rows = []

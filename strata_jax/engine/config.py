@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+# `serve`'s context per slot when --ctx is not given (strata_jax.engine.planner.choose_context). Coding agents need
+# long prompts from the first request (Claude Code's is 34,360 tokens with the demo's tokenizer, and grows).
+AGENT_CONTEXT = 65_536  # the least the default aims for where it fits
+CPU_CONTEXT = 65_536  # no device statistics to plan with; the demo's caches at 4 slots take 160 MiB
+MAX_DEFAULT_CONTEXT = 262_144  # more only on request: prefill attention and its slot copy grow with it
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -23,6 +29,8 @@ class EngineConfig:
     n has had one more token computed, which is discarded.
     watchdog_s: an engine iteration (one prefill chunk plus one step) running longer than this is taken as stuck:
     every request fails with a retryable error and `Engine.health()` turns false until the step returns (0 = off).
+    progress_min_tokens: a prompt at least this long logs its prefill progress (logger "strata_jax.engine", INFO) at
+    most every progress_every_s seconds, and one line when its first token is out (TTFT, prompt tok/s, cached).
     """
 
     slots: int = 4
@@ -36,6 +44,8 @@ class EngineConfig:
     adaptive_draft: bool = True
     overlap_steps: bool = True
     watchdog_s: float = 120.0
+    progress_min_tokens: int = 4096
+    progress_every_s: float = 2.0
 
     def __post_init__(self):
         if self.slots < 1:
@@ -50,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"draft_k must be in 1..15, got {self.draft_k}")
         if not self.watchdog_s >= 0:
             raise ValueError(f"watchdog_s must be >= 0 (0 = off), got {self.watchdog_s}")
+        if self.progress_min_tokens < 1 or not self.progress_every_s >= 0:
+            raise ValueError("progress_min_tokens must be >= 1 and progress_every_s >= 0")
         if not self.prefill_chunks or min(self.prefill_chunks) < 1:
             raise ValueError("prefill_chunks must be positive sizes")
         object.__setattr__(self, "prefill_chunks", tuple(sorted(set(self.prefill_chunks))))

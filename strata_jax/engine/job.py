@@ -26,6 +26,7 @@ class Job:
     ple_ctx: list[np.ndarray] = dataclasses.field(default_factory=list)
     admitted: float = 0.0
     first_token: float = 0.0
+    progress_at: float = 0.0  # when its prefill progress was last logged
     consumed: int = 0  # tokens in the slot's cache
     device_drafts: list[int] = dataclasses.field(default_factory=list)  # MTP guesses from the last step
     misses: int = 0  # consecutive verify windows with no draft accepted

@@ -20,13 +20,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from strata_jax.model.config import ExpertQuantization, ModelConfig
-from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT, EngineConfig
 from strata_jax.model.cache import cache_len_for, init_cache
 from strata_jax.model.decoder import CausalLM
 
 MIB = 1 << 20
 GIB = 1 << 30
 DEFAULT_RESERVE_MIB = 1536
+CONTEXT_STEP = 1024  # a chosen context is a multiple of this (and so of the attention kernel's key block)
 
 # Environment for a process that only asks JAX how big the device is: no up-front grab, and a limit of the whole
 # card, so that memory_stats' bytes_limit is the device's total memory rather than JAX's default 75% of it.
@@ -82,14 +83,23 @@ _PROBE = (
     "import json, jax\n"
     "d = jax.devices()[0]\n"
     "s = d.memory_stats() or {}\n"
-    "print(json.dumps([s.get('bytes_limit'), s.get('bytes_in_use', 0), d.device_kind]))\n"
+    "print(json.dumps([s.get('bytes_limit'), s.get('bytes_in_use', 0), d.device_kind, jax.default_backend()]))\n"
 )
 
 
-def probe_device_memory(timeout: float = 120.0) -> DeviceMemory | None:
-    """`device_memory()` measured in a fresh Python process started with `PROBE_ENV`, so this process's JAX
-    backend stays uninitialised and `allocator_env(plan)` can still be applied before it starts (`serve`'s order:
-    probe, plan, apply_env, then load). None on CPU, or when the probe fails."""
+@dataclasses.dataclass(frozen=True)
+class DeviceProbe:
+    """What a probe process saw: `backend` (`jax.default_backend()`: "gpu", "cpu", ...; None when the probe
+    failed) and the first device's `memory` (None on CPU or when the probe failed)."""
+
+    backend: str | None
+    memory: DeviceMemory | None
+
+
+def probe_device(timeout: float = 120.0) -> DeviceProbe:
+    """The backend and `device_memory()`, measured in a fresh Python process started with `PROBE_ENV`, so this
+    process's JAX backend stays uninitialised and `allocator_env(plan)` can still be applied before it starts
+    (`serve`'s order: probe, plan, apply_env, then load)."""
     import json
     import subprocess
     import sys
@@ -99,13 +109,25 @@ def probe_device_memory(timeout: float = 120.0) -> DeviceMemory | None:
     try:
         done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
                               timeout=timeout, check=True)
-        limit, used, kind = json.loads(done.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
-        return None
+        limit, used, kind, *rest = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError, TypeError):
+        return DeviceProbe(None, None)
+    backend = str(rest[0]) if rest else None
     if limit is None:
-        return None
-    return DeviceMemory(int(limit), int(used), f"{kind} memory_stats (probe): limit {int(limit) / GIB:.2f} GiB, "
-                                               f"in use {int(used) / GIB:.2f} GiB")
+        return DeviceProbe(backend, None)
+    source = f"{kind} memory_stats (probe): limit {int(limit) / GIB:.2f} GiB, in use {int(used) / GIB:.2f} GiB"
+    return DeviceProbe(backend, DeviceMemory(int(limit), int(used), source))
+
+
+def probe_device_memory(timeout: float = 120.0) -> DeviceMemory | None:
+    """`probe_device(timeout).memory`: None on CPU, or when the probe fails."""
+    return probe_device(timeout).memory
+
+
+def default_dtype(backend: str | None) -> str:
+    """Weights' dtype when --dtype is not given: bfloat16 on a GPU (half the memory of float32 and the dtype the
+    kernels are tuned for), float32 elsewhere (XLA:CPU computes bfloat16 slowly, and the CPU is for checking)."""
+    return "bfloat16" if backend == "gpu" else "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,6 +480,75 @@ def _suggestion(cfg, quant, engine: EngineConfig, p: MemoryPlan, **kw) -> str:
     if not found and engine.slots > 1 and (ctx := longest(1)):
         found.append(f"--slots 1 --ctx {ctx}")
     return f" Would fit: {' or '.join(found)}." if found else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextChoice:
+    """The context per slot a server runs with: `tokens`; `source` "flag" (--ctx), "plan" (the largest the memory
+    plan allows) or "default" (no device memory to plan with); `reason` says why, in words for the start-up log."""
+
+    tokens: int
+    source: str
+    reason: str
+
+
+def choose_context(
+    requested: int | None,
+    cfg: ModelConfig,
+    quant: ExpertQuantization | None,
+    engine: EngineConfig,
+    *,
+    weights_dtype: str = "bfloat16",
+    with_mtp: bool = False,
+    vram_reserve_mib: int = DEFAULT_RESERVE_MIB,
+    vram_budget_mib: int | None = None,
+    device: DeviceMemory | None = None,
+) -> ContextChoice:
+    """`serve`'s context per slot: `requested` (an explicit --ctx) as given; else, with no device memory and no
+    budget (a CPU), CPU_CONTEXT; else the largest multiple of CONTEXT_STEP, from AGENT_CONTEXT up to the cap, that
+    fits `engine.slots` slots without taking routed experts off the device (the device pool keeps the size it has
+    at AGENT_CONTEXT: on a card that holds only part of the experts, more context would slow every decode step).
+    The cap is the model's max_position_embeddings, at most MAX_DEFAULT_CONTEXT and at least AGENT_CONTEXT (an
+    agent's first request must fit, even on a model trained on shorter text). When AGENT_CONTEXT does not fit, the
+    largest context below it that does; when nothing fits, AGENT_CONTEXT (the plan then refuses, naming why)."""
+    if requested is not None:
+        return ContextChoice(requested, "flag", "--ctx")
+    cap = min(MAX_DEFAULT_CONTEXT, max(cfg.max_position_embeddings, AGENT_CONTEXT)) // CONTEXT_STEP * CONTEXT_STEP
+    if device is None and vram_budget_mib is None:
+        return ContextChoice(min(CPU_CONTEXT, cap), "default",
+                             "default without device memory statistics (CPU); --vram-budget-mib plans one")
+
+    def plan(ctx: int) -> MemoryPlan:
+        return make_plan(cfg, quant, dataclasses.replace(engine, max_context=ctx), weights_dtype=weights_dtype,
+                         with_mtp=with_mtp, vram_reserve_mib=vram_reserve_mib, vram_budget_mib=vram_budget_mib,
+                         device=device, suggest=False)
+
+    def largest(lo: int, hi: int, ok) -> int:
+        """The largest step count in [lo, hi] passing `ok` (monotonic), `ok(lo)` being known true."""
+        if ok(hi):
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
+
+    floor = min(AGENT_CONTEXT, cap)
+    base = plan(floor)
+    step = CONTEXT_STEP
+    if base.fits:
+        keep = base.gpu_experts
+        n = largest(floor // step, cap // step, lambda k: (p := plan(k * step)).fits and p.gpu_experts >= keep)
+        pool = (f"all {keep} experts per MoE layer" if keep == base.num_experts else
+                f"the device pool at {keep} of {base.num_experts} experts per MoE layer")
+        bound = ("the cap: the model's max_position_embeddings" if cap == cfg.max_position_embeddings else
+                 f"the cap of {cap}")
+        why = f"{bound} (fits with {pool})" if n * step == cap else f"the largest that keeps {pool} on the device"
+        return ContextChoice(n * step, "plan", f"plan: {why}")
+    if not plan(step).fits:
+        return ContextChoice(floor, "plan", "plan: nothing fits (see the refusal)")
+    n = largest(1, floor // step - 1, lambda k: plan(k * step).fits)
+    return ContextChoice(n * step, "plan", f"plan: the largest that fits; {floor} does not (fewer --slots leave "
+                                           "room for more: coding agents send tens of thousands of tokens)")
 
 
 def allocator_env(plan: MemoryPlan) -> dict[str, str]:

@@ -272,7 +272,32 @@ class Scheduler:
             job.refilling = False
         elif token is not None:
             job.first_token = time.monotonic()
+            self._log_first_token(job)
             self._accept(job, [token])
+        if token is None:
+            self._log_progress(job)
+
+    def _long(self, job: Job) -> bool:
+        return len(job.fill) >= self.config.progress_min_tokens and log.isEnabledFor(logging.INFO)
+
+    def _log_progress(self, job: Job) -> None:
+        """A long prompt's prefill is never silent: tokens in the cache and the prompt rate, at most every
+        `progress_every_s` seconds."""
+        now = time.monotonic()
+        if not self._long(job) or now - max(job.admitted, job.progress_at) < self.config.progress_every_s:
+            return
+        job.progress_at = now
+        total, took = len(job.fill), now - job.admitted
+        log.info("prefill %s: %d/%d prompt tokens (%.0f%%) in %.1fs, %.0f prompt tok/s", job.request.request_id,
+                 job.pos, total, 100.0 * job.pos / total, took, (job.pos - job.cached) / max(took, 1e-9))
+
+    def _log_first_token(self, job: Job) -> None:
+        if not self._long(job):
+            return
+        took = job.first_token - job.admitted
+        log.info("first token %s: TTFT %.2fs (%.2fs queued), %d prompt tokens (%d cached) at %.0f prompt tok/s",
+                 job.request.request_id, job.first_token - job.submitted, job.admitted - job.submitted,
+                 len(job.prompt), job.cached, (len(job.prompt) - job.cached) / max(took, 1e-9))
 
     def _decode(self, jobs: list[Job]) -> None:
         tokens = self.executor.decode(jobs)

@@ -4,6 +4,7 @@ refused by make_plan: tests/test_planner.py.)"""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,4 +64,7 @@ def test_converted_directory_reads_its_marker_not_its_weights(runs):
     rc, out, err = runs["converted"]  # the directory has no weights at all
     assert rc == 0, err
     assert "weights float32, experts 1-bit, 2 planes, group 64" in out
-    assert "caches total (2 slots x 4096 tokens)" in out
+    # No --ctx: serve's default, the largest context that fits 2 slots in 2 GiB (65,536 does not).
+    chosen = re.search(r"^context: 2 slots x (\d+) tokens \(plan: the largest that fits", out, re.MULTILINE)
+    assert chosen and 1024 <= int(chosen[1]) < 65_536
+    assert f"caches total (2 slots x {chosen[1]} tokens)" in out

@@ -4,6 +4,8 @@ cancellation frees slots, and bad requests fail alone."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -161,6 +163,25 @@ def test_bf16_cache_on_a_float32_model(model):
         assert _tokens(events)[0] == greedy[0]
     finally:
         eng.shutdown()
+
+
+def test_long_prompt_logs_prefill_progress_and_first_token(engine, caplog, monkeypatch):
+    # Thresholds scaled down (the engine thread reads them at each chunk): a 100-token prompt is "long" and logs
+    # every chunk: 32, 64, 96 on the 32-token grid, then the last 4 tokens (an 8-token chunk) give the first token.
+    scheduler = engine._scheduler
+    monkeypatch.setattr(scheduler, "config",
+                        dataclasses.replace(scheduler.config, progress_min_tokens=64, progress_every_s=0))
+    with caplog.at_level(logging.INFO, logger="strata_jax.engine"):
+        asyncio.run(_collect(engine, _prompt(40, 100), max_tokens=2))
+        asyncio.run(_collect(engine, _prompt(41, 20), max_tokens=2))  # short: silent
+    lines = [r.getMessage() for r in caplog.records if r.name == "strata_jax.engine"]
+    progress = [line for line in lines if line.startswith("prefill ")]
+    assert [line.split(": ", 1)[1].split(" in ")[0] for line in progress] == [
+        "32/100 prompt tokens (32%)", "64/100 prompt tokens (64%)", "96/100 prompt tokens (96%)"]
+    assert all(line.endswith("prompt tok/s") for line in progress)
+    first = [line for line in lines if line.startswith("first token ")]
+    assert len(first) == 1 and "TTFT" in first[0] and "100 prompt tokens (0 cached)" in first[0]
+    assert first[0].endswith("prompt tok/s")
 
 
 def test_a_failing_step_fails_running_requests_and_the_engine_recovers(engine, model, monkeypatch):

@@ -17,6 +17,8 @@ from strata_jax.engine.planner import (
     DeviceMemory,
     allocator_env,
     apply_env,
+    choose_context,
+    default_dtype,
     device_memory,
     format_plan,
     make_plan,
@@ -235,3 +237,38 @@ def test_probe_parses_a_fresh_process_report(monkeypatch):
     assert planner.probe_device_memory() is None
     monkeypatch.setattr(planner, "_PROBE", "raise SystemExit(3)")
     assert planner.probe_device_memory() is None
+
+
+def test_serve_context_default(flash):
+    cfg = load_config(FIXTURES / "qwen4_exp_causal")  # max_position_embeddings 4096: the agent minimum wins
+    four = EngineConfig(slots=4)
+    cpu = choose_context(None, cfg, None, four, weights_dtype="float32")
+    assert cpu.tokens >= 65_536 and cpu.source == "default"
+    assert choose_context(4096, cfg, None, four, device=DeviceMemory(GIB, 0, "x")).tokens == 4096  # --ctx wins
+    # A big card: the cap, every expert resident.
+    roomy = choose_context(None, cfg, None, four, weights_dtype="float32", vram_budget_mib=8192)
+    assert roomy.tokens == 65_536 and roomy.source == "plan" and "all 8 experts" in roomy.reason
+    # A card too small for 65,536: the largest multiple of 1024 below it that fits.
+    small = choose_context(None, cfg, None, four, weights_dtype="float32", vram_budget_mib=1800)
+
+    def fits(ctx):
+        return make_plan(cfg, None, EngineConfig(slots=4, max_context=ctx), weights_dtype="float32",
+                         vram_budget_mib=1800).fits
+
+    assert 1024 <= small.tokens < 65_536 and small.tokens % 1024 == 0
+    assert fits(small.tokens) and not fits(small.tokens + 1024)
+    # Experts partly on the host: more context than 65,536 only where it costs no expert of the device pool.
+    card = DeviceMemory(limit=24 * GIB, in_use=0, source="fake 24 GiB card")
+    part = choose_context(None, flash, ONE_PLANE, four, device=card)
+
+    def pool(ctx):
+        return make_plan(flash, ONE_PLANE, EngineConfig(slots=4, max_context=ctx), device=card).gpu_experts
+
+    assert part.tokens >= 65_536 and pool(part.tokens) == pool(65_536) < 512
+    big = choose_context(None, flash, ONE_PLANE, four, device=DeviceMemory(139 * GIB, GIB, "fake H200"))
+    assert big.tokens == flash.max_position_embeddings == 262_144
+
+
+def test_weights_dtype_default():
+    assert default_dtype("gpu") == "bfloat16"
+    assert default_dtype("cpu") == default_dtype(None) == "float32"

@@ -479,6 +479,38 @@ def test_replay_claude_code_requests(serve, tokenizer, name):
     assert r.status_code == 200 and r.json()["input_tokens"] == len(engine.submitted[0].prompt_ids)
 
 
+def test_serves_default_context_takes_claude_codes_first_request():
+    # `python -m strata_jax serve` with no flags on a CPU: the demo's tokenizer and the context serve chooses. The
+    # old default of 4096 tokens refused this request ("prompt is too long").
+    from strata_jax.demo import DEMO_MODEL
+    from strata_jax.engine.config import EngineConfig
+    from strata_jax.engine.planner import choose_context
+    from strata_jax.model.config import load_config
+    from strata_jax.tokenizer import load_tokenizer
+
+    ctx = choose_context(None, load_config(DEMO_MODEL), None, EngineConfig(slots=4)).tokens
+    demo = load_tokenizer(DEMO_MODEL)
+    engine = ScriptedEngine(demo, "Hello.", context_length=ctx)
+    server = ServerThread(create_app(engine, demo, served_name="demo", api_key="local", context_length=ctx))
+    try:
+        captured = json.loads((CLAUDE_CODE_FIXTURES / "claude_code_first_turn.json").read_text())
+        skip = {"host", "content-length", "connection", "accept-encoding"}
+        headers = {k: v for k, v in captured["headers"].items() if k.lower() not in skip}
+        headers.setdefault("Authorization", "Bearer local")
+        body = {k: v for k, v in captured["body"].items() if k not in ("stream", "max_tokens")}
+        r = httpx.post(server.url + "/v1/messages/count_tokens?beta=true", headers=headers, timeout=60,
+                       content=json.dumps(body))
+        assert r.status_code == 200, r.text
+        n = r.json()["input_tokens"]
+        assert 4096 < n < ctx
+        r = httpx.post(server.url + "/v1/messages?beta=true", headers=headers, timeout=60,
+                       content=json.dumps({**body, "max_tokens": 16}))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["input_tokens"] == n == len(engine.submitted[0].prompt_ids)
+    finally:
+        server.stop()
+
+
 def test_next_turn_prompt_extends_the_previous_one(serve, tokenizer):
     # What the prefix cache needs: Claude Code's turn N+1 prompt starts with turn N's prompt, token for token
     # (mid-conversation system messages are folded backwards, the attribution line is dropped).

@@ -1,0 +1,122 @@
+"""`python -m strata_jax.bench --mode prefill`: time to first token and prompt tok/s by prompt length, on one slot
+of a context allocated the way a server allocates it, against the compute floor measured in the same run.
+
+One engine (1 slot, `--ctx`, `--prefill-chunks`) serves one greedy request per length of `--prompt-lengths` (each
+length twice; the second is timed, so nothing is compiled or paged in during it; the prefix cache is off). The floor
+is the prompt's matmul work (`prefill_flops`: every weight a token passes through, attention over what it sees)
+over the bf16 matmul rate measured on the device (`matmul_rate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from strata_jax.model.config import ModelConfig
+
+
+def prefill_args(p: argparse.ArgumentParser) -> None:
+    """The prefill mode's flags (it also uses --preset/--model-dir, --ctx, --prefill-chunks and --dtype)."""
+    g = p.add_argument_group("prefill mode")
+    g.add_argument("--prompt-lengths", default="2048,8192,20000,60000",
+                   type=lambda v: tuple(int(x) for x in v.split(",")),
+                   help="prompt lengths to time (default 2048,8192,20000,60000)")
+
+
+def matmul_rate(n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of a large bf16 matmul on the default device (the compute roof prefill is measured against)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def prefill_flops(cfg: ModelConfig, n_tokens: int) -> dict[str, float]:
+    """The matmul FLOPs of prefilling `n_tokens` from position 0, by part: the weights every token passes through
+    (projections, router, the routed experts it picks, the shared expert), attention scores and values over the
+    positions it sees (QSA: at most the indexer's budget), the Gated DeltaNet recurrence (state-sized work per token)
+    and the output head once (only the last position's logits are needed)."""
+    h, n = cfg.hidden_size, n_tokens
+    n_attn = sum(t == "full_attention" for t in cfg.layer_types)
+    n_gdn = cfg.num_layers - n_attn
+    attn_w = h * cfg.num_heads * cfg.head_dim * 2 + 2 * h * cfg.num_kv_heads * cfg.head_dim \
+        + cfg.num_heads * cfg.head_dim * h
+    if cfg.qsa:
+        attn_w += h * (cfg.indexer_n_heads + 1) * cfg.indexer_head_dim
+    nk, nv, dk, dv = cfg.linear_num_k_heads, cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    gdn_w = h * (2 * nk * dk + nv * dv) + h * nv * dv + 2 * h * nv + nv * dv * h
+    moe_w = h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size \
+        + 3 * h * cfg.shared_expert_intermediate_size
+    # Each position sees the positions before it; QSA caps what it reads at the budget (plus its block's tail).
+    cap = cfg.indexer_budget + cfg.indexer_compress_ratio if cfg.qsa else n
+    seen = sum(min(p + 1, cap) for p in range(0, n, 64)) * 64 if n > 64 else n * (n + 1) / 2
+    return {
+        "weights": 2.0 * n * (n_attn * attn_w + n_gdn * gdn_w + cfg.num_layers * moe_w),
+        "attention": 2.0 * 2 * n_attn * cfg.num_heads * cfg.head_dim * seen,
+        "deltanet": 2.0 * 3 * n * n_gdn * nv * dk * dv,
+        "head": 2.0 * h * cfg.vocab_size,
+    }
+
+
+async def _first_token(engine: Engine, prompt: tuple[int, ...]) -> float:
+    t0 = time.perf_counter()
+    stream = await engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    async for _ in stream:
+        pass
+    return time.perf_counter() - t0
+
+
+def run_prefill(args: argparse.Namespace, model) -> list[dict]:
+    """Times the first token of each prompt length (see the module docstring); returns one row per length."""
+    import numpy as np
+
+    lengths = args.prompt_lengths
+    ctx = args.ctx or max(lengths) + 64
+    rate = matmul_rate()
+    print(f"prefill: bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; 1 slot x {ctx} tokens, chunks "
+          f"{args.prefill_chunks}", flush=True)
+    engine = Engine(model, EngineConfig(slots=1, max_context=ctx, prefill_chunks=args.prefill_chunks,
+                                        prefix_cache_mib=0, overlap_steps=False))
+    engine.start()
+    rows = []
+    rng = np.random.default_rng(0)
+    try:
+        for n in lengths:
+            timings = []
+            for _ in range(2):  # a different prompt each time: nothing can be reused
+                prompt = tuple(int(t) for t in rng.integers(0, model.config.vocab_size, n))
+                timings.append(asyncio.run(_first_token(engine, prompt)))
+            flops = prefill_flops(model.config, n)
+            floor_s = sum(flops.values()) / rate
+            ttft = timings[-1]
+            row = {"prompt_tokens": n, "ctx": ctx, "chunks": list(args.prefill_chunks), "ttft_s": ttft,
+                   "first_ttft_s": timings[0], "prompt_tok_s": n / ttft, "floor_s": floor_s,
+                   "fraction_of_floor": floor_s / ttft, "gflop_per_token": sum(flops.values()) / n / 1e9,
+                   "tflops": rate / 1e12}
+            rows.append(row)
+            print(f"prefill {n} tokens: TTFT {ttft:.3f} s ({n / ttft:,.0f} prompt tok/s); floor {floor_s:.3f} s "
+                  f"({row['gflop_per_token']:.1f} GFLOP/token), {row['fraction_of_floor']:.0%} of it", flush=True)
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def print_prefill_table(rows: list[dict]) -> None:
+    """The rows as a markdown table."""
+    print("\n| prompt tokens | ctx | TTFT s | prompt tok/s | compute floor s | fraction of floor |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['prompt_tokens']:,} | {r['ctx']:,} | {r['ttft_s']:.3f} | {r['prompt_tok_s']:,.0f} "
+              f"| {r['floor_s']:.3f} | {r['fraction_of_floor']:.0%} |")
