@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 IMPLS = ("auto", "jnp", "pallas")
-MAX_TOKENS = 16  # verify windows and decode; prefill chunks stay with the jnp form (their dots fill the GEMMs)
+MAX_TOKENS = 16  # verify windows and decode; longer prefill chunks go to pallas_kernels.prefill_attention
 BLOCK_K = 64  # keys per loop step
 TARGET_PROGRAMS = 512  # splits are picked so that (slots x kv heads x splits) reaches about this
 _NEG = -1e30  # the running max before any key: finite, so that exp(_NEG - m) is 0 rather than NaN

@@ -2,7 +2,8 @@
 of a context allocated the way a server allocates it, against the compute floor measured in the same run.
 
 One engine (1 slot, `--ctx`, `--prefill-chunks`) serves one greedy request per length of `--prompt-lengths` (each
-length twice; the second is timed, so nothing is compiled or paged in during it; the prefix cache is off). The floor
+length twice; the second is timed, so nothing is compiled or paged in during it; the prefix cache is on, as
+served, but every prompt is new). The floor
 is the prompt's matmul work (`prefill_flops`: every weight a token passes through, attention over what it sees)
 over the bf16 matmul rate measured on the device (`matmul_rate`).
 """
@@ -27,6 +28,9 @@ def prefill_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lengths", default="2048,8192,20000,60000",
                    type=lambda v: tuple(int(x) for x in v.split(",")),
                    help="prompt lengths to time (default 2048,8192,20000,60000)")
+    g.add_argument("--prefix-cache-mib", type=int, default=2048,
+                   help="the engine's prefix cache (default 2048, as served: its snapshots are part of prefill's "
+                        "cost; every prompt here is new, so nothing is reused; 0 = off)")
 
 
 def matmul_rate(n: int = 8192, reps: int = 10) -> float:
@@ -88,7 +92,7 @@ def run_prefill(args: argparse.Namespace, model) -> list[dict]:
     print(f"prefill: bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; 1 slot x {ctx} tokens, chunks "
           f"{args.prefill_chunks}", flush=True)
     engine = Engine(model, EngineConfig(slots=1, max_context=ctx, prefill_chunks=args.prefill_chunks,
-                                        prefix_cache_mib=0, overlap_steps=False))
+                                        prefix_cache_mib=args.prefix_cache_mib, overlap_steps=False))
     engine.start()
     rows = []
     rng = np.random.default_rng(0)

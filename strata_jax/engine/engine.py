@@ -139,7 +139,8 @@ class Engine:
             raise PromptTooLong(n, self.context_length - 1)
         vocab = self.model.config.vocab_size
         sampling = request.sampling.checked(vocab)
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in request.prompt_ids):
+        ids = request.prompt_ids
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         request = GenerationRequest(request.prompt_ids, sampling, request.request_id or uuid.uuid4().hex)
         loop = asyncio.get_running_loop()

@@ -16,21 +16,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from strata_jax.model.cache import AttentionCache, ModelCache
-
-
-def _map_kv(cache: ModelCache, fn) -> ModelCache:
-    """Applies fn(array, position_axis) to every attention cache array."""
-    layers = []
-    for layer in cache.layers:
-        mixer = layer.mixer
-        if isinstance(mixer, AttentionCache):
-            mixer = mixer.map_positions(fn)
-        layers.append(layer.replace(mixer=mixer))
-    cache = cache.replace(layers=tuple(layers))
-    if cache.mtp is not None and isinstance(cache.mtp.mixer, AttentionCache):
-        cache = cache.replace(mtp=cache.mtp.replace(mixer=cache.mtp.mixer.map_positions(fn)))
-    return cache
+from strata_jax.model.cache import ModelCache, map_kv_positions
 
 
 def _positions(axis: int, stop: int) -> tuple:
@@ -70,8 +56,14 @@ class PrefixCache:
             best.last_used = next(self._clock)
         return best
 
+    def would_keep(self, n_tokens: int, nbytes: int) -> bool:
+        """Whether a snapshot of `n_tokens` tokens taking about `nbytes` would be stored: reading a slot to the host
+        is not free (hundreds of MB at long contexts), so callers ask first."""
+        return n_tokens > 0 and 0 < nbytes <= self.budget
+
     def insert(self, tokens: Sequence[int], state: ModelCache) -> None:
-        """Stores a host copy of a slot's state after `tokens` (state as read from the device, batch 1)."""
+        """Stores a host copy of a slot's state after `tokens` (state as read from the device, batch 1; its KV may
+        hold more positions than the tokens: they are cut to whole `kv_block`s past the prefix)."""
         tokens = tuple(tokens)
         if not tokens or self.budget <= 0:
             return
@@ -79,7 +71,7 @@ class PrefixCache:
             self._snaps[tokens].last_used = next(self._clock)
             return
         keep = -(-len(tokens) // self.kv_block) * self.kv_block
-        state = _map_kv(state, lambda x, axis: np.array(x[_positions(axis, keep)]))
+        state = map_kv_positions(state, lambda x, axis: np.array(x[_positions(axis, keep)]))
         nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
         if nbytes > self.budget:
             return
@@ -98,4 +90,4 @@ class PrefixCache:
             out[_positions(axis, x.shape[axis])] = x
             return out
 
-        return _map_kv(snap.state, pad)
+        return map_kv_positions(snap.state, pad)

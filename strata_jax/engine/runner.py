@@ -21,10 +21,34 @@ from flax import nnx
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.steps import (
     STEPS, Sampling, decode_args, flat_weights, greedy_sampling, jit_step, prefill_args, put_slot, reset_slot,
-    take_slot, verify_args,
+    take_slot, take_slot_prefix, verify_args,
 )
-from strata_jax.model.cache import ModelCache, init_cache
+from strata_jax.model.cache import ModelCache, init_cache, map_kv_positions
 from strata_jax.model.config import ModelConfig
+
+
+READ_MIN = 1024  # the smallest KV length `ModelRunner.read` copies for a prefix
+
+
+def read_length(positions: int, max_len: int) -> int:
+    """The KV length a prefix read of `positions` copies: the next power of two from READ_MIN (a handful of
+    compiled read functions serve every prefix), or the whole cache."""
+    length = READ_MIN
+    while length < positions:
+        length *= 2
+    return min(length, max_len)
+
+
+def _kv_bytes(cache: ModelCache) -> int:
+    total = 0
+
+    def count(a, axis):
+        nonlocal total
+        total += a.nbytes
+        return a
+
+    map_kv_positions(cache, count)
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +112,7 @@ class ModelRunner:
         self._compiled: dict[tuple[str, int], object] = {}
         self._reset = jax.jit(reset_slot, donate_argnums=(0,))
         self._read = jax.jit(take_slot)
+        self._read_prefix = jax.jit(take_slot_prefix, static_argnums=(2,))
         self._write = jax.jit(put_slot, donate_argnums=(0,))
         self.ple_dims = [model.config.ple_embed_dim] * len(model.config.ple_layers)
 
@@ -155,9 +180,21 @@ class ModelRunner:
         """Empties `slot` for a new sequence."""
         self.cache = self._reset(self.cache, jnp.int32(slot))
 
-    def read(self, slot: int) -> ModelCache:
-        """A host copy of one slot's state (batch dimension 1)."""
-        return jax.tree_util.tree_map(np.asarray, self._read(self.cache, jnp.int32(slot)))
+    def read(self, slot: int, upto: int | None = None) -> ModelCache:
+        """A host copy of one slot's state (batch dimension 1). With `upto`, attention KV only for the first `upto`
+        positions or a little more (`read_length`): a prefix snapshot needs no more, and copying a long context's
+        whole KV to the host took seconds per snapshot."""
+        length = self.cache.max_len if upto is None else read_length(upto, self.cache.max_len)
+        if length >= self.cache.max_len:
+            return jax.tree_util.tree_map(np.asarray, self._read(self.cache, jnp.int32(slot)))
+        return jax.tree_util.tree_map(np.asarray, self._read_prefix(self.cache, jnp.int32(slot), length))
+
+    def snapshot_bytes(self, positions: int) -> int:
+        """Host bytes of one slot's state with KV for `positions` positions (about what `read(slot, positions)`
+        copies)."""
+        per_slot = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.cache)) // self.config.slots
+        kv = _kv_bytes(self.cache) // self.config.slots
+        return per_slot - kv + kv * min(positions, self.cache.max_len) // self.cache.max_len
 
     def write(self, slot: int, sub: ModelCache) -> None:
         """Replaces one slot's state (batch dimension 1), e.g. with a prefix-cache snapshot."""
@@ -203,6 +240,10 @@ class ModelRunner:
             if after_step is not None:
                 after_step(name, counts)
         self.write(0, self.read(0))
+        length = READ_MIN
+        while length < self.cache.max_len:  # the prefix reads of snapshots: compiled now, not mid-traffic
+            self.read(0, length)
+            length *= 2
         self.reset(0)
         jax.block_until_ready(self.cache)
         elapsed = time.monotonic() - started

@@ -266,8 +266,8 @@ class Scheduler:
     # -- steps and their results ---------------------------------------------------------------------------------
     def _prefill(self, job: Job) -> None:
         token = self.executor.prefill(job)
-        if job.pos % self.config.snapshot_every == 0:
-            self.prefix_cache.insert(job.fill[: job.pos], self.runner.read(job.slot))
+        if job.pos % self.config.snapshot_every == 0 and self._keeps(job.pos):
+            self.prefix_cache.insert(job.fill[: job.pos], self.runner.read(job.slot, job.pos))
         if token is not None and job.refilling:  # a refill after lost state: its next token is known already
             job.refilling = False
         elif token is not None:
@@ -361,11 +361,15 @@ class Scheduler:
         # inside an accepted draft run leaves it past the sequence: then it is not a snapshot of any known prefix.
         seq = job.prompt + tuple(job.generated[:kept] if kept is not None else job.generated)
         fed = len(seq) - 1 <= job.consumed <= len(seq)
-        if snapshot and len(seq) > len(job.prompt) and not job.prefilling and fed:
-            self.prefix_cache.insert(seq[: job.consumed], self.runner.read(job.slot))
+        if snapshot and len(seq) > len(job.prompt) and not job.prefilling and fed and self._keeps(job.consumed):
+            self.prefix_cache.insert(seq[: job.consumed], self.runner.read(job.slot, job.consumed))
         self._free(job)
         if reason is not None:
             self.output.put(job.output(tokens or [], reason, time.monotonic() if at is None else at))
+
+    def _keeps(self, positions: int) -> bool:
+        """Whether the prefix cache would store a snapshot of `positions` tokens (else the read is skipped)."""
+        return self.prefix_cache.would_keep(positions, self.runner.snapshot_bytes(positions))
 
     def _free(self, job: Job) -> None:
         with self._cond:

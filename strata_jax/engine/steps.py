@@ -25,7 +25,7 @@ from flax import nnx
 
 from strata_jax.engine.sampling import sample
 from strata_jax.engine.speculative import accept
-from strata_jax.model.cache import AttentionCache, ModelCache
+from strata_jax.model.cache import AttentionCache, ModelCache, map_kv_positions
 from strata_jax.model.decoder import rollback
 from strata_jax.model.moe import RoutingCounts
 
@@ -36,6 +36,11 @@ Sampling = tuple
 def take_slot(cache: ModelCache, slot: jax.Array) -> ModelCache:
     """One slot's state (batch dimension 1)."""
     return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
+
+
+def take_slot_prefix(cache: ModelCache, slot: jax.Array, length: int) -> ModelCache:
+    """One slot's state (batch dimension 1) with attention KV cut to its first `length` positions (static)."""
+    return map_kv_positions(take_slot(cache, slot), lambda x, axis: jax.lax.slice_in_dim(x, 0, length, axis=axis))
 
 
 def put_slot(cache: ModelCache, slot: jax.Array, sub: ModelCache) -> ModelCache:

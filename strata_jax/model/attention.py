@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.decode_attention import MAX_TOKENS, decode_attention
+from pallas_kernels.prefill_attention import dense_mask, prefill_attention
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import AttentionCache
 from strata_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
@@ -27,6 +28,45 @@ def _write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Arr
     return cache.at[rows, :, positions].set(new.astype(cache.dtype), mode="drop")
 
 
+SELECT_BLOCKS = 1024  # QSA blocks scored per loop step of a prefill chunk's top-k selection
+
+
+def _block_scores(q: jax.Array, block_keys: jax.Array) -> jax.Array:
+    """The indexer's block scores [B, T, N]: q [B, T, H, d] and block keys [B, N, d], float32."""
+    scores = jnp.einsum("bthd,bnd->btnh", q, block_keys)
+    return jnp.sum(jax.nn.relu(scores), axis=-1) / math.sqrt(q.shape[-1])
+
+
+def _top_blocks_filled(q: jax.Array, block_keys: jax.Array, n_complete: jax.Array, top: int) -> jax.Array:
+    """`chosen` [B, T, NB]: each token's `top` best-scoring complete blocks (ties to the lower block, as
+    `lax.top_k`), scoring only the blocks that are complete for some token of the chunk.
+
+    A loop over groups of `SELECT_BLOCKS` blocks with a traced trip count keeps a running top-k per token, so a
+    prefill chunk's selection costs what the filled part of the cache holds, not its allocated length. The running
+    entries come first in each merge and are sorted (value, then block), so a tie goes to the lower block as in one
+    `top_k` over all blocks. With fewer than `top` complete blocks the leftover slots hold no block."""
+    bsz, t, _, _ = q.shape
+    nb = block_keys.shape[1]
+    g = min(SELECT_BLOCKS, nb)
+    n_steps = (jnp.max(n_complete) + g - 1) // g
+
+    def step(i, carry):
+        vals, ids = carry
+        # The last group may run past the cache: it is moved back to end there, the blocks already seen masked.
+        b0 = jnp.minimum(i * g, nb - g)
+        bid = b0 + jnp.arange(g)
+        ok = (bid[None, None, :] < n_complete[..., None]) & (bid >= i * g)[None, None, :]
+        scores = jnp.where(ok, _block_scores(q, jax.lax.dynamic_slice_in_dim(block_keys, b0, g, axis=1)), -jnp.inf)
+        vals, pos = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), top)
+        cand = jnp.concatenate([ids, jnp.where(ok, bid, nb)], axis=-1)
+        return vals, jnp.take_along_axis(cand, pos, axis=-1)
+
+    init = (jnp.full((bsz, t, top), -jnp.inf, jnp.float32), jnp.full((bsz, t, top), nb, jnp.int32))
+    _, ids = jax.lax.fori_loop(0, n_steps, step, init)
+    rows = jnp.arange(bsz)[:, None, None], jnp.arange(t)[None, :, None]
+    return jnp.zeros((bsz, t, nb), bool).at[rows + (ids,)].set(True, mode="drop")
+
+
 class QSAIndexer(nnx.Module):
     """Scores blocks of `compress_ratio` keys and keeps the best `budget / compress_ratio` complete blocks plus the
     incomplete tail; attention then sees only the selected tokens (below `budget` tokens: everything)."""
@@ -41,7 +81,11 @@ class QSAIndexer(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        """Returns the selection mask [B, T, S] (before the causal mask) and the updated raw index keys."""
+        """Returns the block selection `chosen` [B, T, S // compress_ratio] and the updated raw index keys.
+
+        `chosen` marks, per token, the complete blocks (those below (position + 1) // compress_ratio) it sees; the
+        incomplete tail block is always seen up to the token's own position (the causal mask bounds it).
+        `pallas_kernels.prefill_attention.dense_mask` turns it into the per-token [B, T, S] mask."""
         cfg = self.cfg
         bsz, t, _ = x.shape
         d, c = cfg.indexer_head_dim, cfg.indexer_compress_ratio
@@ -55,25 +99,23 @@ class QSAIndexer(nnx.Module):
         pooled = self.k_layernorm(pooled)
         bcos, bsin = rope_cos_sin(jnp.arange(n_blocks) * c, cfg.rotary_dim, cfg.rope_theta)
         block_keys = apply_rope(pooled[:, :, None, :], bcos, bsin)[:, :, 0, :]
-        scores = jnp.einsum("bthd,bnd->btnh", q.astype(jnp.float32), block_keys.astype(jnp.float32))
-        scores = jnp.sum(jax.nn.relu(scores), axis=-1) / math.sqrt(d)  # [B, T, NB]
+        q, block_keys = q.astype(jnp.float32), block_keys.astype(jnp.float32)
         n_complete = (positions + 1) // c  # [B, T]
-        block_ids = jnp.arange(n_blocks)
-        complete = block_ids[None, None, :] < n_complete[..., None]
+        complete = jnp.arange(n_blocks)[None, None, :] < n_complete[..., None]
         top = cfg.indexer_budget // c
-        if n_blocks > top:
-            masked = jnp.where(complete, scores, -jnp.inf)
+        if n_blocks <= top:
+            chosen = complete
+        elif t > MAX_TOKENS:
+            # The selection has no gradient; stopping it keeps the loop (no transpose) out of reverse mode.
+            chosen = _top_blocks_filled(jax.lax.stop_gradient(q), jax.lax.stop_gradient(block_keys), n_complete, top)
+        else:
+            masked = jnp.where(complete, _block_scores(q, block_keys), -jnp.inf)
             _, best = jax.lax.top_k(masked, top)
-            chosen = jnp.zeros(scores.shape, bool).at[
+            chosen = jnp.zeros(masked.shape, bool).at[
                 jnp.arange(bsz)[:, None, None], jnp.arange(t)[None, :, None], best
             ].set(True)
             chosen = chosen & complete
-        else:
-            chosen = complete
-        token_ids = jnp.arange(s)
-        in_complete_block = token_ids[None, None, :] < (n_complete * c)[..., None]
-        selected = jnp.where(in_complete_block, chosen[..., token_ids // c], True)
-        return selected, index_k
+        return chosen, index_k
 
 
 class Attention(nnx.Module):
@@ -110,14 +152,19 @@ class Attention(nnx.Module):
         v_all = _write_kv(cache.v, v, positions)
         s = k_all.shape[2]
 
-        mask = jnp.arange(s)[None, None, :] <= positions[..., None]  # [B, T, S]
-        index_k = cache.index_k
+        index_k, chosen = cache.index_k, None
         if cfg.qsa:
-            selected, index_k = self.indexer(x, positions, index_k, cos, sin)
-            mask = mask & selected
+            chosen, index_k = self.indexer(x, positions, index_k, cos, sin)
+        c = cfg.indexer_compress_ratio if cfg.qsa else 1
 
-        # The kernel (on a GPU, for decode and verify) reads each slot's cache only up to its last new token.
-        lengths = jnp.minimum(start + t, s)
-        out = decode_attention(q.reshape(bsz, t, kvh, group, d), k_all, v_all, mask, lengths).reshape(bsz, t, -1)
+        q = q.reshape(bsz, t, kvh, group, d)
+        if t > MAX_TOKENS:
+            # Prefill: a loop over the filled key blocks, masks built per block (no [B, T, S] array).
+            out = prefill_attention(q, k_all, v_all, start, chosen=chosen, compress_ratio=c)
+        else:
+            # The kernel (on a GPU, for decode and verify) reads each slot's cache only up to its last new token.
+            mask = dense_mask(positions, s, chosen, c)  # [B, T, S]: cheap at T <= MAX_TOKENS
+            out = decode_attention(q, k_all, v_all, mask, jnp.minimum(start + t, s))
+        out = out.reshape(bsz, t, -1)
         out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out), AttentionCache(k=k_all, v=v_all, index_k=index_k)

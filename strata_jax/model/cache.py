@@ -64,6 +64,21 @@ class ModelCache:
         return 1 << 30  # no attention layer: unbounded
 
 
+def map_kv_positions(cache: ModelCache, fn) -> ModelCache:
+    """`cache` with fn(array, position_axis) applied to every attention layer's arrays (the MTP layer's too): to
+    cut the positions to a prefix or pad them back."""
+    layers = []
+    for layer in cache.layers:
+        mixer = layer.mixer
+        if isinstance(mixer, AttentionCache):
+            mixer = mixer.map_positions(fn)
+        layers.append(layer.replace(mixer=mixer))
+    cache = cache.replace(layers=tuple(layers))
+    if cache.mtp is not None and isinstance(cache.mtp.mixer, AttentionCache):
+        cache = cache.replace(mtp=cache.mtp.replace(mixer=cache.mtp.mixer.map_positions(fn)))
+    return cache
+
+
 def cache_len_for(cfg: ModelConfig, max_len: int) -> int:
     """Attention cache length: `max_len` rounded up to whole QSA blocks."""
     c = cfg.indexer_compress_ratio if cfg.qsa else 1

@@ -202,3 +202,37 @@ def test_a_failing_step_fails_running_requests_and_the_engine_recovers(engine, m
     monkeypatch.setattr(steps, "decode", real)
     p = _prompt(31, 9)
     assert _tokens(asyncio.run(_collect(engine, p))) == model.generate(list(p), 8, stop_at_eos=False)
+
+
+def test_prefix_reads_copy_only_the_filled_part(engine, monkeypatch):
+    """A prefix snapshot reads the slot's KV up to a power-of-two bucket past the prefix, not the whole context
+    (at 65,536 positions the whole read cost seconds per prefill chunk on the H200), and equals the full read there;
+    with the prefix cache off nothing is read at all."""
+    import jax
+
+    from strata_jax.engine.runner import read_length
+    from strata_jax.model.cache import map_kv_positions
+
+    runner = engine._runner
+    assert read_length(1, 65536) == 1024 and read_length(1025, 65536) == 2048 and read_length(5000, 4096) == 4096
+    monkeypatch.setattr("strata_jax.engine.runner.READ_MIN", 16)  # buckets below this fixture's 160 positions
+    full = runner.read(0)
+    part = runner.read(0, 40)
+    length = read_length(40, runner.cache.max_len)
+    assert length == 64 < runner.cache.max_len
+    cut = map_kv_positions(full, lambda x, axis: x[(slice(None),) * axis + (slice(0, length),)])
+    for a, b in zip(jax.tree_util.tree_leaves(cut), jax.tree_util.tree_leaves(part)):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    assert runner.snapshot_bytes(runner.cache.max_len) == sum(x.nbytes for x in jax.tree_util.tree_leaves(full))
+    assert runner.snapshot_bytes(0) < runner.snapshot_bytes(runner.cache.max_len)
+    scheduler = engine._scheduler
+    budget, scheduler.prefix_cache.budget = scheduler.prefix_cache.budget, 0
+    reads = []
+    real = runner.read
+    try:
+        runner.read = lambda *a, **kw: reads.append(a) or real(*a, **kw)
+        asyncio.run(_collect(engine, _prompt(90, 70)))
+        assert reads == []
+    finally:
+        runner.read = real
+        scheduler.prefix_cache.budget = budget

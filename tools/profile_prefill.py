@@ -1,0 +1,66 @@
+"""Profiles prefill chunks of the synthetic Flash-Next model on the GPU and prints the kernels that take the time.
+
+    python -m tools.profile_prefill --ctx 65536 --tokens 8192 --out DIR
+
+Builds the engine (1 slot, chunks of 2,048), prefills one prompt untimed, then traces the prefill of another
+(`jax.profiler`, Perfetto trace under DIR) and sums the device events of the trace by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import glob
+import gzip
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.bench.prefill import _first_token
+from strata_jax.bench.synthetic import preset_config, synthetic_model
+from strata_jax.engine import Engine, EngineConfig
+from strata_jax.host.pool import HostPool
+from strata_jax.loaded_model import LoadedModel
+from strata_jax.model.config import ExpertQuantization
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ctx", type=int, default=65536)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from pathlib import Path
+
+    cfg = preset_config("flash-next-125b")
+    pool = HostPool()
+    net = synthetic_model(cfg, jnp.bfloat16, ExpertQuantization(), host_pool=pool)
+    model = LoadedModel(Path("synthetic"), cfg, net, jnp.bfloat16, [], None, host_pool=pool)
+    engine = Engine(model, EngineConfig(slots=1, max_context=args.ctx, prefill_chunks=(2048,), prefix_cache_mib=0))
+    engine.start()
+    rng = np.random.default_rng(0)
+    prompt = lambda: tuple(int(t) for t in rng.integers(0, cfg.vocab_size, args.tokens))  # noqa: E731
+    print(f"untimed: {asyncio.run(_first_token(engine, prompt())):.2f}s", flush=True)
+    with jax.profiler.trace(args.out, create_perfetto_trace=True):
+        print(f"traced: {asyncio.run(_first_token(engine, prompt())):.2f}s", flush=True)
+    engine.shutdown()
+    totals, counts = collections.Counter(), collections.Counter()
+    for path in glob.glob(f"{args.out}/**/*.trace.json.gz", recursive=True):
+        events = json.load(gzip.open(path)).get("traceEvents", [])
+        pids = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+        for e in events:
+            if e.get("ph") == "X" and "GPU" in pids.get(e.get("pid"), "") or "/device:" in pids.get(e.get("pid"), ""):
+                if e.get("ph") == "X":
+                    totals[e["name"][:90]] += e.get("dur", 0)
+                    counts[e["name"][:90]] += 1
+    total = sum(totals.values())
+    print(f"device events: {total / 1e3:.1f} ms in {sum(counts.values())} events")
+    for name, us in totals.most_common(30):
+        print(f"{us / 1e3:9.1f} ms {counts[name]:6d}x  {name}")
+
+
+if __name__ == "__main__":
+    main()
