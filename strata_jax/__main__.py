@@ -85,8 +85,13 @@ def _serve(args: argparse.Namespace) -> int:
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
+        import jax
+
+        # Agents' prompts are tens of thousands of tokens: on a GPU 2,048-token chunks prefill them 3x faster than
+        # 256 (docs/PERF.md). The CPU keeps 256: with 2,048-token chunks its XLA backend hung now and then (README).
+        chunks = args.prefill_chunks or ((32, 256) if jax.default_backend() == "cpu" else (32, 256, 2048))
         config = EngineConfig(slots=args.slots, max_context=ctx, draft=draft, draft_k=args.draft_k,
-                              watchdog_s=args.watchdog)
+                              watchdog_s=args.watchdog, prefill_chunks=chunks)
         drafter = None
         if draft_dir is not None:
             from strata_jax.engine.draft_model import DraftModelDrafter
@@ -164,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
                      "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")
     srv.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step (default 4)")
+    srv.add_argument("--prefill-chunks", default=None, metavar="N,N,...",
+                     type=lambda v: tuple(int(c) for c in v.split(",")),
+                     help="prompt chunk sizes compiled at start; the largest bounds how long a prompt chunk delays "
+                          "running streams (default: 32,256,2048 on a GPU, 32,256 on a CPU)")
     srv.add_argument("--watchdog", type=float, default=120.0, metavar="SECONDS",
                      help="an engine step running longer than this is taken as stuck: its requests fail with a "
                           "retryable error, /health answers 503, and after 30 s more the server exits with code 70 "

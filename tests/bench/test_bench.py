@@ -197,3 +197,12 @@ def test_attention_mode_rejects_bad_variants():
     with pytest.raises(SystemExit, match="block_k"):
         main(["--mode", "attention", "--preset", "tiny", "--slots", "1", "--ctx", "96", "--fill", "40",
               "--attn-variants", "jnp,s4_k64_w4"])
+
+
+def test_prefill_mode_times_each_length_against_the_compute_floor(tmp_path):
+    out = tmp_path / "prefill.json"
+    assert main(["--mode", "prefill", "--preset", "tiny", "--dtype", "float32", "--prompt-lengths", "16,40",
+                 "--ctx", "128", "--prefill-chunks", "8,32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prompt_tokens"] for r in rows] == [16, 40] and all(r["ctx"] == 128 for r in rows)
+    assert all(r["ttft_s"] > 0 and 0 < r["fraction_of_floor"] < 1 and r["gflop_per_token"] > 0 for r in rows)
