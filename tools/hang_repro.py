@@ -4,7 +4,10 @@ requests while busy loops load every core. Prints one line per run (ok / HANG) a
     python -m tools.hang_repro --runs 12 [--eigen-single] [--serve]
 
 --serve runs the real server (`python -m strata_jax serve`, port 0) and sends the requests over HTTP, as the
-original report did; without it the engine is driven in-process.
+original report did; without it the engine is driven in-process. --long is the setup that reproduces it (4 of 10
+runs on 2026-12-01 with other work on the 2 cores): the demo model, one slot of 65,536 tokens, 2,048-token chunks,
+one 26,500-token prompt; a run counts as hung when the engine's watchdog (60 s per iteration) trips.
+--sync-dispatch turns XLA:CPU's asynchronous dispatch off in the child (it did not help).
 
 Each run is a subprocess with its own timeout, so a hung run is counted, not waited on forever.
 """
@@ -33,6 +36,29 @@ async def main():
 t = time.monotonic()
 asyncio.run(main())
 print(f"served in {time.monotonic() - t:.2f}s", flush=True)
+engine.shutdown()
+"""
+
+
+LONG = r"""
+import asyncio, sys, time
+import jax
+if sys.argv[1] == "sync":
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+import numpy as np
+import strata_jax
+from strata_jax.demo import DEMO_MODEL
+from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+engine = Engine(strata_jax.load_model(DEMO_MODEL), EngineConfig(slots=1, max_context=65536,
+                prefill_chunks=(256, 2048), watchdog_s=60))
+engine.start()
+async def one():
+    ids = tuple(int(x) for x in np.random.default_rng(int(time.time())).integers(0, 1000, 26500))
+    s = await engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=1)))
+    return [e async for e in s][-1]
+t = time.monotonic()
+last = asyncio.run(one())
+print("HUNG" if last.finish_reason == "error" else f"served in {time.monotonic() - t:.2f}s", flush=True)
 engine.shutdown()
 """
 
@@ -106,6 +132,8 @@ def main() -> None:
     ap.add_argument("--eigen-single", action="store_true", help="run with --xla_cpu_multi_thread_eigen=false")
     ap.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal")
     ap.add_argument("--serve", action="store_true", help="through the HTTP server, as first reported")
+    ap.add_argument("--long", action="store_true", help="the long-prompt setup that reproduces it (see above)")
+    ap.add_argument("--sync-dispatch", action="store_true", help="--long with asynchronous dispatch off")
     args = ap.parse_args()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     if args.eigen_single:
@@ -121,6 +149,15 @@ def main() -> None:
             try:
                 if args.serve:
                     print(f"run {i}: {_serve_once(args, env)} ({time.monotonic() - t0:.0f}s)", flush=True)
+                    continue
+                if args.long:
+                    mode = "sync" if args.sync_dispatch else "async"
+                    r = subprocess.run([sys.executable, "-c", LONG, mode], env=env, capture_output=True, text=True,
+                                       timeout=args.timeout + 600)
+                    hung = "HUNG" in r.stdout
+                    hangs += hung
+                    tail = (r.stdout.strip().splitlines() or [r.stderr.strip()[-200:]])[-1]
+                    print(f"run {i}: {tail} ({time.monotonic() - t0:.0f}s)", flush=True)
                     continue
                 r = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.requests)], env=env,
                                    capture_output=True, text=True, timeout=args.timeout + 240)
