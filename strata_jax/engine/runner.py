@@ -107,6 +107,9 @@ class ModelRunner:
         if self.mtp_k and not model.has_mtp:
             raise ValueError("draft='mtp' needs a checkpoint with MTP weights (mtp.*)")
         self.cache = self._new_cache()
+        # Shapes are fixed at start: one slot's bytes, and the part of them that grows with positions (KV).
+        self._slot_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.cache)) // config.slots
+        self._slot_kv_bytes = _kv_bytes(self.cache) // config.slots
         self._jitted = {name: jit_step(step, model.graphdef, model.state, self.mtp_k) for name, step in STEPS.items()}
         self._weight_leaves: list[jax.Array] | None = None
         self._compiled: dict[tuple[str, int], object] = {}
@@ -192,9 +195,8 @@ class ModelRunner:
     def snapshot_bytes(self, positions: int) -> int:
         """Host bytes of one slot's state with KV for `positions` positions (about what `read(slot, positions)`
         copies)."""
-        per_slot = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.cache)) // self.config.slots
-        kv = _kv_bytes(self.cache) // self.config.slots
-        return per_slot - kv + kv * min(positions, self.cache.max_len) // self.cache.max_len
+        kv, max_len = self._slot_kv_bytes, self.cache.max_len
+        return self._slot_bytes - kv + kv * min(positions, max_len) // max_len
 
     def write(self, slot: int, sub: ModelCache) -> None:
         """Replaces one slot's state (batch dimension 1), e.g. with a prefix-cache snapshot."""
