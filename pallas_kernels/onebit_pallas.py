@@ -34,7 +34,7 @@ kernels of ``onebit_lut`` (``compute="lut"``) spend ~1.5 instructions per weight
 up to T = 64; ``default_config(T)`` picks them up to T = 128 and the grouped MMA schedule beyond (prefill chunks).
 
 Triton constraints honoured here (interpret mode does not check them): all block shapes are powers
-of two; dot operands are >= 16 in every dimension (bm = 16, bn >= 16, K step = 32*bkw >= 32); both
+of two; dot operands are >= 16 in every dimension (bm >= 16, bn >= 16, K step = 32*bkw >= 32); both
 dot operands have the same dtype (bf16).
 """
 
@@ -106,13 +106,23 @@ DEFAULT_LUT_WIDE = KernelConfig(schedule="pairs", compute="lut", bn1=64, bkw1=8,
                                 lut_ksplit=5, lut_table="bfloat16")
 LUT_NARROW_MAX_TOKENS = 4
 LUT_MAX_TOKENS = 128
+# Prefill chunks: blocks of 64 rows (T >= PREFILL_MIN_TOKENS gives ~20-80 rows per expert at top-10 of 512), so that
+# an expert's bits are unpacked about once per chunk instead of once per 16 rows, and the bf16 operand taken as the
+# high half of the float32 sign-xored scale. H200 sweep of `bench.kernels` (docs/PERF.md, "1-bit experts at prefill
+# sizes", 2026-12-01): 1268 us per layer at T = 2048 (24% of the compute floor) against 2342 for DEFAULT_GROUPED and
+# 2397 for bf16 experts; 2264 against 4155 at T = 4096; at T = 512 DEFAULT_GROUPED stays ahead (889 against 1162).
+DEFAULT_PREFILL = KernelConfig(schedule="grouped", bm=64, bn1=128, bkw1=4, bn2=128, bkw2=4, num_warps=4,
+                               unpack="xor16")
+PREFILL_MIN_TOKENS = 1024
 
 
 def default_config(tokens: int) -> KernelConfig:
     """The measured-best kernel configuration for a batch of ``tokens`` rows (H200, Flash-Next shapes)."""
     if tokens <= LUT_NARROW_MAX_TOKENS:
         return DEFAULT_LUT
-    return DEFAULT_LUT_WIDE if tokens <= LUT_MAX_TOKENS else DEFAULT_GROUPED
+    if tokens <= LUT_MAX_TOKENS:
+        return DEFAULT_LUT_WIDE
+    return DEFAULT_GROUPED if tokens < PREFILL_MIN_TOKENS else DEFAULT_PREFILL
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -278,7 +288,10 @@ def _gate_up_kernel(*refs, grouped, k, cfg: KernelConfig, kw_total, wpg, planes,
         @pl.when(e >= 0)
         def _():
             rows = tok_ref[pl.ds(pos0, bm)]
-            load_x = lambda k0, kk: x_ref[rows, pl.ds(k0, kk)]
+
+            def load_x(k0, kk):
+                return x_ref[rows, pl.ds(k0, kk)]
+
             load_sx = (lambda g: sx_ref[rows, pl.ds(g, 1)]) if quant else None
             acc_g, acc_u = _mma_loop(load_x, bits_ref, sc_ref, e, (n0, n0 + inter), bm=bm, load_sx=load_sx, **common)
             hval = silu(acc_g) * acc_u
@@ -290,12 +303,17 @@ def _gate_up_kernel(*refs, grouped, k, cfg: KernelConfig, kw_total, wpg, planes,
     e = ids_ref[b]
     t = lax.div(b, jnp.int32(k))
     if cfg.compute in ("vpu", "vpu2d"):
-        load_xrow = lambda k0, kk: x_ref[t, pl.ds(k0, kk)]
+        def load_xrow(k0, kk):
+            return x_ref[t, pl.ds(k0, kk)]
+
         g, u = _vpu_loop(load_xrow, bits_ref, sc_ref, e, (n0, n0 + inter), **common)
         h_ref[b, pl.ds(n0, bn)] = (silu(g) * u).astype(h_ref.dtype)
         return
     rows = jnp.full((bm,), t, jnp.int32)
-    load_x = lambda k0, kk: x_ref[rows, pl.ds(k0, kk)]
+
+    def load_x(k0, kk):
+        return x_ref[rows, pl.ds(k0, kk)]
+
     load_sx = (lambda g: sx_ref[rows, pl.ds(g, 1)]) if quant else None
     acc_g, acc_u = _mma_loop(load_x, bits_ref, sc_ref, e, (n0, n0 + inter), bm=bm, load_sx=load_sx, **common)
     h_ref[b, pl.ds(n0, bn)] = _row0(silu(acc_g) * acc_u, bm).astype(h_ref.dtype)
@@ -345,7 +363,9 @@ def _down_grp_kernel(*refs, cfg: KernelConfig, kw_total, wpg, planes, poison):
 
     @pl.when(e >= 0)
     def _():
-        load_x = lambda k0, kk: h_ref[pl.ds(pos0, bm), pl.ds(k0, kk)]
+        def load_x(k0, kk):
+            return h_ref[pl.ds(pos0, bm), pl.ds(k0, kk)]
+
         load_sx = (lambda g: sh_ref[pl.ds(pos0, bm), pl.ds(g, 1)]) if quant else None
         (acc,) = _mma_loop(load_x, bits_ref, sc_ref, e, (n0,), n_steps=kw_total // bkw, bm=bm, bn=bn, bkw=bkw,
                            planes=planes, wpg=wpg, unpack=cfg.unpack, compute=cfg.compute, load_sx=load_sx)

@@ -86,6 +86,7 @@ class _Answer:
             return out
         out += self._builder.apply(self._parser.finish()) + self._builder.finish()
         stop_reason, stop_sequence = self._stop_reason(event)
+        run.stop_reason = stop_reason
         usage = _usage(event.prompt_tokens or self.n_prompt, run.cached_tokens,
                        0 if self.warm_only else run.completion_tokens)
         self.message.update(content=self._builder.content, stop_reason=stop_reason, stop_sequence=stop_sequence,
@@ -119,7 +120,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     )
     gen = GenerationRequest(prompt_ids=tuple(rendered.ids), sampling=sampling, request_id=request[REQUEST_ID])
     answer = _Answer(req, rendered, tokenizer.eos_token_ids, req.model or state.served_name)
-    async with EngineRun(engine, gen, request, state.metrics, heartbeat_s=state.heartbeat_s) as run:
+    async with EngineRun(engine, gen, request, state.metrics, heartbeat_s=state.heartbeat_s, api="anthropic",
+                         monitor=state.monitor) as run:
         if not req.stream:
             async with contextlib.aclosing(run.events()) as events:
                 async for event in events:

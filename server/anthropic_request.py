@@ -57,10 +57,15 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
     for i, raw in enumerate(raw_messages):
         messages.extend(_convert_message(expect_dict(raw, f"messages.{i}"), f"messages.{i}"))
 
+    if not raw_messages:
+        raise invalid_request("messages: at least one message is required, got an empty array", "messages")
     prefill = ""
     if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         # A final assistant turn is a prefill: the answer continues it.
         prefill = messages.pop()["content"]
+    if not any(m["role"] != "system" for m in messages):
+        raise invalid_request("messages: the conversation has no user message: a final assistant message is a "
+                              "prefill that the answer continues, so it needs a user message before it", "messages")
 
     tools, schemas = _convert_tools(get_list(body, "tools", []))
     choice = get_dict(body, "tool_choice") or {}

@@ -1,9 +1,12 @@
 """The aiohttp application: routes, request ids, error shapes, auth, health and metrics.
 
 Routes:
-    HEAD/GET /                      always 200 (Claude Code sends `HEAD /` first; never a 5xx)
+    HEAD/GET /                      always 200 (Claude Code sends `HEAD /` first; never a 5xx): the web page (chat and
+                                    live monitor) for browsers (`Accept: text/html`), else a JSON status line
+    GET  /ui/{file}                 the web page's scripts and styles (server/web/, no auth: the page asks for the key)
     GET  /health                    503 while the model loads or the engine is stuck / stopping, else 200 (no auth)
-    GET  /metrics                   Prometheus text
+    GET  /metrics                   Prometheus text (with `metrics_public`, no key needed from this machine)
+    GET  /v1/monitor                the live monitor's JSON: slots, queue, tok/s, requests in flight, TTFT, hit rates
     POST /v1/messages               Anthropic Messages API (streaming and not; query string ignored)
     POST /v1/messages/count_tokens
     GET  /v1/models[/{id}]          Anthropic shape if the request has an `anthropic-version` header, else OpenAI's
@@ -15,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -32,6 +37,7 @@ from server.body import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S
 log = logging.getLogger("strata.server")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+WEB_DIR = Path(__file__).parent / "web"  # the web page: plain HTML, CSS and JS, no build step (package data)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -45,9 +51,12 @@ _HTTP_ERROR_MESSAGES = {
 def create_app(engine: EngineProtocol | None, tokenizer: Tokenizer | None, *, served_name: str,
                api_key: str | None, context_length: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                ping_interval_s: float = 10.0, body_idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
-               body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S) -> web.Application:
+               body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S, about: Mapping[str, Any] | None = None,
+               metrics_public: bool = False) -> web.Application:
     """The server application. `engine`/`tokenizer` may be None while the model loads (then /health is 503 and API
-    calls get 529 overloaded errors); install them with `install_engine` when loading finishes."""
+    calls get 529 overloaded errors); install them with `install_engine` when loading finishes. `about` describes
+    the set-up for the monitor (model, dtype, slots, context, drafter, `plan`: [label, value] rows);
+    `metrics_public` opens /metrics to clients on this machine without the key."""
     state = ServerState(
         served_name=served_name,
         api_key=api_key or None,
@@ -58,13 +67,17 @@ def create_app(engine: EngineProtocol | None, tokenizer: Tokenizer | None, *, se
         body_total_timeout_s=body_total_timeout_s,
         engine=engine,
         tokenizer=tokenizer,
+        about=dict(about or {}),
     )
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_request_context, auth_middleware(api_key)])
+    app = web.Application(client_max_size=max_body_bytes,
+                          middlewares=[_request_context, auth_middleware(api_key, metrics_public=metrics_public)])
     app[STATE] = state
     app.on_response_prepare.append(_add_request_id)
     app.router.add_route("*", "/", _root)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/monitor", _monitor)
+    app.router.add_get("/ui/{name}", _web_file)
     app.router.add_post("/v1/messages", anthropic_api.create_message)
     app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
     app.router.add_get("/v1/models", _list_models)
@@ -137,9 +150,39 @@ def _error(request: web.Request, status: int, message: str, param: str | None,
 async def _root(request: web.Request) -> web.Response:
     if request.method not in ("GET", "HEAD"):
         raise ApiError(405, f"method not allowed: {request.method} /")
+    if wants_html(request):
+        return web.FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-cache"})
     state = request.app[STATE]
     return web.json_response({"name": "strata_jax", "model": state.served_name,
                               "status": "ready" if state.ready else "loading"})
+
+
+async def _web_file(request: web.Request) -> web.FileResponse:
+    name = request.match_info["name"]
+    if name not in _web_files():  # only the page's own files: no paths, no directory listing
+        raise web.HTTPNotFound()
+    return web.FileResponse(WEB_DIR / name, headers={"Cache-Control": "no-cache"})
+
+
+def _web_files() -> frozenset[str]:
+    return frozenset(p.name for p in WEB_DIR.iterdir() if p.suffix in (".html", ".js", ".css"))
+
+
+def wants_html(request: web.Request) -> bool:
+    """Whether the client asks for a page (a browser's `Accept: text/html,...`) rather than JSON: HTML only when
+    it names text/html and not application/json, so curl, SDKs and probes (`*/*` or nothing) keep getting JSON."""
+    accept = request.headers.get("accept", "").lower()
+    return "text/html" in accept and "application/json" not in accept
+
+
+async def _monitor(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    healthy, why = state.engine_health()
+    status = "loading" if not state.ready else ("ok" if healthy else "unavailable")
+    body = {"model": state.served_name, "status": status, "reason": why or None,
+            "context_length": state.context_length, "about": state.about,
+            **state.monitor.snapshot(state.engine_stats())}
+    return web.json_response(body, headers={"Cache-Control": "no-store"})
 
 
 async def _health(request: web.Request) -> web.Response:

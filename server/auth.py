@@ -1,10 +1,12 @@
 """API-key check: `x-api-key: KEY` (Anthropic SDKs) or `Authorization: Bearer KEY` (Claude Code's
-ANTHROPIC_AUTH_TOKEN, OpenAI SDKs), compared in constant time. /health and / stay open (probes, Claude Code's
-`HEAD /` warm-up)."""
+ANTHROPIC_AUTH_TOKEN, OpenAI SDKs), compared in constant time. /health, / and the web page's files (/ui/) stay open
+(probes, Claude Code's `HEAD /` warm-up, a page that asks for the key itself); with `metrics_public`, /metrics is
+open to clients on this machine (a local Prometheus) and still needs the key from elsewhere."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -12,6 +14,7 @@ from aiohttp import web
 from server.errors import ApiError
 
 OPEN_PATHS = frozenset({"/", "/health"})
+OPEN_PREFIXES = ("/ui/",)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -37,12 +40,29 @@ def key_matches(expected: str, presented: list[str]) -> bool:
     return ok
 
 
-def auth_middleware(api_key: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    """A middleware that answers 401 unless the request carries `api_key` (a no-op when no key is set)."""
+def from_loopback(request: web.Request) -> bool:
+    """Whether the request's peer is this machine (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address((request.remote or "").split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def needs_key(request: web.Request, metrics_public: bool = False) -> bool:
+    """Whether `request`'s path is behind the API key (when the server has one)."""
+    if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
+        return False
+    return not (metrics_public and request.path == "/metrics" and from_loopback(request))
+
+
+def auth_middleware(api_key: str | None, *, metrics_public: bool = False
+                    ) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """A middleware that answers 401 unless the request carries `api_key` (a no-op when no key is set); with
+    `metrics_public`, /metrics needs no key from a loopback peer."""
 
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key and request.path not in OPEN_PATHS and not key_matches(api_key, presented_keys(request)):
+        if api_key and needs_key(request, metrics_public) and not key_matches(api_key, presented_keys(request)):
             reason = "missing" if not presented_keys(request) else "invalid"
             raise ApiError(401, f"{reason} API key: send it as `x-api-key: KEY` or `Authorization: Bearer KEY`")
         return await handler(request)

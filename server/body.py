@@ -211,6 +211,5 @@ def short(text: str, limit: int = 40) -> str:
 
 def type_name(value: Any) -> str:
     """The JSON type name of a parsed value (for error messages)."""
-    return "null" if value is None else {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
-        type(value), type(value).__name__
-    )
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

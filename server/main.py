@@ -1,9 +1,11 @@
 """Running the server: bind first (so /health answers 503 during model load and warm-up), load the engine in a
-worker thread, install it, print `listening on http://HOST:PORT`, and shut down gracefully on SIGINT/SIGTERM."""
+worker thread, install it, print a start-up summary and then `listening on http://HOST:PORT`, and shut down
+gracefully on SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -11,15 +13,16 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
 from strata_jax.engine.protocol import EngineProtocol
 from strata_jax.tokenizer import Tokenizer
 
-from server.app import DEFAULT_MAX_BODY_BYTES, create_app, install_engine
+from server.app import DEFAULT_MAX_BODY_BYTES, create_app, install_engine, server_state
 from server.listener import listen, make_runner
+from server.logs import QuietAccessLogger, configure_logging, log_startup, startup_lines
 
 log = logging.getLogger("strata.server")
 
@@ -50,44 +53,66 @@ def is_loopback(host: str) -> bool:
 
 def serve(load_engine: LoadEngine, *, host: str, port: int, api_key: str | None, served_name: str,
           allow_insecure_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          stuck_exit_s: float = STUCK_EXIT_S) -> int:
+          stuck_exit_s: float = STUCK_EXIT_S, log_format: str = "text", metrics_public: bool = False,
+          about: Mapping[str, Any] | None = None) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0), or until the engine stays unhealthy for `stuck_exit_s`
     (EXIT_STUCK: the caller should end the process at once, e.g. `os._exit`, since an engine thread may be stuck
     in a device call); returns the process exit code.
 
     `load_engine()` runs in a worker thread and returns (engine, tokenizer, context_length); it prints its own
     progress. `api_key` defaults to $STRATA_API_KEY. A non-loopback `host` needs a key unless
-    `allow_insecure_public`.
+    `allow_insecure_public`. `log_format` is "text" or "json" (one object per line, on stderr); `metrics_public`
+    opens /metrics to clients on this machine without the key; `about` describes the set-up for the start-up
+    summary and the monitor (see `server.app.create_app`).
     """
+    key_hint = None
+    if api_key:
+        key_hint = "<your --api-key>"
+    elif os.environ.get("STRATA_API_KEY"):
+        key_hint = "$STRATA_API_KEY"
     api_key = api_key or os.environ.get("STRATA_API_KEY") or None
     if not is_loopback(host) and not api_key and not allow_insecure_public:
         print(f"error: refusing to serve on {host} (reachable from other machines) without an API key; set "
               "--api-key or STRATA_API_KEY, or pass --allow-insecure-public", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("aiohttp.access").setLevel(logging.INFO)  # one line per request
-    logging.getLogger("strata.server").setLevel(logging.INFO)  # e.g. requests cancelled by a client
-    logging.getLogger("strata_jax.engine").setLevel(logging.INFO)  # long prompts' prefill progress and first token
+    # Request lines (strata.requests), access lines for other requests, long prompts' prefill progress.
+    configure_logging(log_format)
+    options = _Options(api_key, served_name, max_body_bytes, stuck_exit_s, log_format, metrics_public,
+                       dict(about or {}), key_hint)
     try:
-        return asyncio.run(_serve(load_engine, host, port, api_key, served_name, max_body_bytes, stuck_exit_s))
+        return asyncio.run(_serve(load_engine, host, port, options))
     except KeyboardInterrupt:
         return 130
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """serve()'s settings, handed to the event loop's coroutine."""
+
+    api_key: str | None
+    served_name: str
+    max_body_bytes: int
+    stuck_exit_s: float
+    log_format: str
+    metrics_public: bool
+    about: dict[str, Any]
+    key_hint: str | None  # how the start-up summary writes the key (never the key itself)
 
 
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def _serve(load_engine: LoadEngine, host: str, port: int, api_key: str | None, served_name: str,
-                 max_body_bytes: int, stuck_exit_s: float) -> int:
+async def _serve(load_engine: LoadEngine, host: str, port: int, opts: _Options) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    app = create_app(None, None, served_name=served_name, api_key=api_key, context_length=0,
-                     max_body_bytes=max_body_bytes)
-    runner = make_runner(app, shutdown_timeout=SHUTDOWN_GRACE_S, access_log_format=ACCESS_LOG_FORMAT)
+    app = create_app(None, None, served_name=opts.served_name, api_key=opts.api_key, context_length=0,
+                     max_body_bytes=opts.max_body_bytes, about=opts.about, metrics_public=opts.metrics_public)
+    runner = make_runner(app, shutdown_timeout=SHUTDOWN_GRACE_S, access_log_format=ACCESS_LOG_FORMAT,
+                         access_log_class=QuietAccessLogger)
     await runner.setup()
     try:
         listener, _ = await listen(runner, host, port)
@@ -109,8 +134,16 @@ async def _serve(load_engine: LoadEngine, host: str, port: int, api_key: str | N
     if loaded.done() and loaded.exception() is None:
         engine, tokenizer, context_length = loaded.result()
         install_engine(app, engine, tokenizer, context_length)
-        print(f"listening on {_url(host, bound_port)}", flush=True)
-        watch = asyncio.ensure_future(_until_stuck(engine, stuck_exit_s))
+        url = _url(host, bound_port)
+        about = {**opts.about, "context": context_length}
+        server_state(app).about["context"] = context_length
+        for line in startup_lines(url, opts.served_name, about, key_hint=opts.key_hint,
+                                  metrics_public=opts.metrics_public):
+            print(line, flush=True)
+        if opts.log_format == "json":
+            log_startup(url, opts.served_name, about)
+        print(f"listening on {url}", flush=True)
+        watch = asyncio.ensure_future(_until_stuck(engine, opts.stuck_exit_s))
         await asyncio.wait({stop_wait, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch.done():
             code = EXIT_STUCK

@@ -30,10 +30,13 @@ from server.body import read_request_json
 log = logging.getLogger("strata.server")
 
 
-def _finish_reason(event: TokenEvent, choice: ChoiceBuilder) -> str:
+def _finish_reason(event: TokenEvent, choice: ChoiceBuilder, run: EngineRun) -> str:
     if event.finish_reason == "length":
-        return "length"
-    return "tool_calls" if choice.tool_calls and event.finish_reason == "stop" else "stop"
+        reason = "length"
+    else:
+        reason = "tool_calls" if choice.tool_calls and event.finish_reason == "stop" else "stop"
+    run.stop_reason = reason
+    return reason
 
 
 def _usage(prompt_tokens: int, cached: int, completion: int) -> dict[str, Any]:
@@ -71,14 +74,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return sse_frame({**head, "object": "chat.completion.chunk",
                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
 
-    async with EngineRun(engine, gen, request, state.metrics, heartbeat_s=state.heartbeat_s) as run:
+    async with EngineRun(engine, gen, request, state.metrics, heartbeat_s=state.heartbeat_s, api="openai",
+                         monitor=state.monitor) as run:
         if not req.stream:
             final = await _run_to_end(run, parser, choice, eos_ids)
             return web.json_response({
                 **head,
                 "object": "chat.completion",
-                "choices": [{"index": 0, "message": choice.message(), "finish_reason": _finish_reason(final, choice),
-                             "logprobs": None}],
+                "choices": [{"index": 0, "message": choice.message(),
+                             "finish_reason": _finish_reason(final, choice, run), "logprobs": None}],
                 "usage": _usage(final.prompt_tokens or n_prompt, run.cached_tokens, run.completion_tokens),
             })
         response = await start_sse(request)
@@ -96,7 +100,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     frames = [chunk(d) for d in deltas]
                     if event.finish_reason is not None:
                         frames += [chunk(d) for d in choice.apply(parser.finish())]
-                        frames.append(chunk({}, _finish_reason(event, choice)))
+                        frames.append(chunk({}, _finish_reason(event, choice, run)))
                         if req.include_usage:
                             usage = _usage(event.prompt_tokens or n_prompt, run.cached_tokens, run.completion_tokens)
                             frames.append(sse_frame({**head, "object": "chat.completion.chunk", "choices": [],

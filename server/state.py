@@ -13,6 +13,7 @@ from strata_jax.tokenizer import Tokenizer
 
 from server.errors import ApiError
 from server.metrics import ServerMetrics
+from server.monitor import Monitor
 
 
 @dataclasses.dataclass
@@ -28,8 +29,11 @@ class ServerState:
     body_total_timeout_s: float = 300.0  # reading a request body: longest in all
     engine: EngineProtocol | None = None
     tokenizer: Tokenizer | None = None
+    # What the monitor shows about the set-up (model, dtype, slots, context, drafter, memory plan rows); set by serve.
+    about: dict[str, Any] = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
     metrics: ServerMetrics = dataclasses.field(init=False)
+    monitor: Monitor = dataclasses.field(default_factory=Monitor)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine_stats)

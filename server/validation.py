@@ -152,8 +152,8 @@ def check_tool_schema(schema: dict[str, Any], path: str) -> None:
             raise invalid_request(f"{where}.required: expected a list of strings", f"{where}.required")
         if node.get("enum") is not None and not isinstance(node["enum"], list):
             raise invalid_request(f"{where}.enum: expected an array, got {_type_name(node['enum'])}", f"{where}.enum")
-        props = node.get("properties")
-        if props is not None and not isinstance(props, dict):
+        props = node.get("properties", {})
+        if not isinstance(props, dict):  # `null` too: the chat template lists the properties
             raise invalid_request(f"{where}.properties: expected an object mapping parameter names to schemas, got "
                                   f"{_type_name(props)}", f"{where}.properties")
         for key in _SUBSCHEMA_MAPS:

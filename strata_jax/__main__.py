@@ -1,4 +1,4 @@
-"""Command line: `python -m strata_jax generate|serve|quantize|plan ...`."""
+"""Command line: `python -m strata_jax generate|serve|quantize|plan|bench ...` (installed as `strata-jax`)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,21 @@ def _generate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     out = model.generate(ids, args.max_tokens, temperature=args.temperature, seed=args.seed)
     elapsed = time.monotonic() - started
-    print(tok.decode(out))
+    print(answer_text(tok, out, set(model.config.eos_token_ids) | set(tok.eos_token_ids)))
     print(
         f"[{len(ids)} prompt tokens, {len(out)} generated in {elapsed:.2f}s "
         f"({len(out) / max(elapsed, 1e-9):.1f} tok/s incl. compile)]",
         file=sys.stderr,
     )
     return 0
+
+
+def answer_text(tok, out: list[int], eos_ids: set[int]) -> str:
+    """The text of generated ids without the end-of-sequence / end-of-turn token (`<|im_end|>`) that ended them.
+    Other special tokens stay: `<think>` and `<tool_call>` are the answer's markup."""
+    if out and out[-1] in eos_ids:
+        out = out[:-1]
+    return tok.decode(out)
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -58,7 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    for flag, value, bound in (("--slots", args.slots, 1), ("--ctx", args.ctx, 2), ("--port", args.port, 0)):
+    for flag, value, bound in (("--slots", args.slots, 1), ("--ctx", args.ctx, 2), ("--port", args.port, 0),
+                               ("--prefill-batch", args.prefill_batch, 1)):
         if value is not None and value < bound:
             print(f"error: {flag} must be >= {bound}", file=sys.stderr)
             return 2
@@ -67,12 +76,18 @@ def _serve(args: argparse.Namespace) -> int:
         draft_dir, draft = Path(draft), "none"
         if not draft_dir.is_dir():
             raise FileNotFoundError(f"--draft {args.draft}: not none/ngram/mtp and not a checkpoint directory")
+    _apply_card(args)
     if args.vram_budget_mib is not None and args.vram_budget_mib <= 0:
         print("error: --vram-budget-mib must be > 0", file=sys.stderr)
         return 2
+    if args.ctx is not None:
+        _check_context_fits_the_template(model_dir, args.ctx)
     setup = _serve_plan(args, model_dir)  # before JAX starts its backend: the allocator follows the plan
     gpu_experts, ctx, dtype = setup.gpu_experts, setup.ctx, setup.dtype
     served_name = args.served_name or model_dir.resolve().name
+    about = {"model": str(model_dir), "dtype": dtype, "backend": setup.backend, "slots": args.slots,
+             "context": ctx, "draft": args.draft, "plan_summary": setup.plan_summary,
+             "plan": [list(row) for row in setup.plan_rows]}
 
     def load_engine():
         from strata_jax import load_model
@@ -85,13 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
-        import jax
-
-        # Agents' prompts are tens of thousands of tokens: on a GPU 2,048-token chunks prefill them 3x faster than
-        # 256 (docs/PERF.md). The CPU keeps 256: with 2,048-token chunks its XLA backend hung now and then (README).
-        chunks = args.prefill_chunks or ((32, 256) if jax.default_backend() == "cpu" else (32, 256, 2048))
         config = EngineConfig(slots=args.slots, max_context=ctx, draft=draft, draft_k=args.draft_k,
-                              watchdog_s=args.watchdog, prefill_chunks=chunks)
+                              watchdog_s=args.watchdog, prefill_chunks=setup.chunks, prefill_batch=setup.batch)
         drafter = None
         if draft_dir is not None:
             from strata_jax.engine.draft_model import DraftModelDrafter
@@ -105,7 +115,8 @@ def _serve(args: argparse.Namespace) -> int:
         return engine, model.tokenizer, engine.context_length
 
     code = serve(load_engine, host=args.host, port=args.port, api_key=args.api_key, served_name=served_name,
-                 allow_insecure_public=args.allow_insecure_public)
+                 allow_insecure_public=args.allow_insecure_public, log_format=args.log_format,
+                 metrics_public=args.metrics_public, about=about)
     if code == EXIT_STUCK:  # an engine thread may be stuck in a device call: interpreter shutdown could wait on it
         sys.stdout.flush()
         sys.stderr.flush()
@@ -113,66 +124,111 @@ def _serve(args: argparse.Namespace) -> int:
     return code
 
 
-def build_parser() -> argparse.ArgumentParser:
+EXIT_USAGE = 2  # a bad flag or value, a missing directory (argparse's own code)
+EXIT_DOES_NOT_FIT = 3  # plan / serve: the model does not fit the card at this shape
+EXIT_CODES = f"""exit codes:
+  0   success
+  {EXIT_USAGE}   usage error (a bad flag or value, a missing directory or file)
+  {EXIT_DOES_NOT_FIT}   plan, serve: does not fit the card (even the minimum of experts on the device)
+  70  serve: the engine stayed stuck (--watchdog) and the server exited for a supervisor to restart it"""
+
+
+class DoesNotFit(ValueError):
+    """The memory plan refuses: the model does not fit the card at this shape (exit code EXIT_DOES_NOT_FIT)."""
+
+
+def _prog() -> str:
+    return "strata-jax" if Path(sys.argv[0]).name == "strata-jax" else "python -m strata_jax"
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: generate, serve, quantize, plan (and `bench`, handed to strata_jax.bench)."""
+    from strata_jax import __version__
+    from strata_jax.cli_help import DefaultsFormatter
+    from strata_jax.engine.cards import CARDS, cards_help
+
+    prog = prog or _prog()
     parser = argparse.ArgumentParser(
-        prog="python -m strata_jax",
-        description="strata_jax: serve huge Mixture-of-Experts coding models from one GPU.",
+        prog=prog,
+        description="strata_jax: serve huge Mixture-of-Experts coding models from one GPU. Start with "
+        f"`{prog} serve` (the bundled demo model on http://127.0.0.1:8080, a web chat and monitor at /), or "
+        f"`{prog} plan --card 24gb` to see what fits a card.",
+        epilog=EXIT_CODES,
+        formatter_class=DefaultsFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser(
-        "generate",
-        help="continue a prompt with a checkpoint",
-        description="Load a Hugging Face checkpoint directory and continue a prompt.",
-    )
+    parser.add_argument("--version", action="version", version=f"strata_jax {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description, epilog=EXIT_CODES,
+                              formatter_class=DefaultsFormatter)
+
+    card_names = ", ".join(CARDS)
+    card_help = (f"plan for a card of this size instead of the one present: {card_names} (`plan --help` "
+                 "lists example cards); the same as --vram-budget-mib with the size's memory")
+
+    gen = command("generate", "continue a prompt with a checkpoint (no server)",
+                  "Load a checkpoint directory and continue a prompt (greedy by default), printing the text.")
     gen.add_argument("--model", default=str(DEMO_MODEL), help="checkpoint directory (default: the bundled demo model)")
-    gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--prompt", required=True, help="text to continue (required)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                      help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the checkpoint's chat template as a user turn and print the answer "
+                     "only (up to its end-of-turn token, which is not printed)")
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser(
-        "serve",
-        help="serve a checkpoint over HTTP to coding agents (Anthropic and OpenAI APIs)",
-        description="Serve a checkpoint: Anthropic Messages API (/v1/messages) for Claude Code, OpenAI chat "
-        "completions (/v1/chat/completions), /health and /metrics. Prints `listening on URL` when ready.",
+    srv = command(
+        "serve", "serve a checkpoint over HTTP to coding agents (Anthropic and OpenAI APIs, web chat and monitor)",
+        "Serve a checkpoint: Anthropic Messages API (/v1/messages) for Claude Code, OpenAI chat completions "
+        "(/v1/chat/completions), a web chat and live monitor at / (JSON at /v1/monitor), /health and /metrics. "
+        "Prints a summary (model, plan, slots x context, how to point Claude Code at it) and then "
+        "`listening on URL` when ready. Logs one line per request at its end.",
     )
     srv.add_argument("--model", default=str(DEMO_MODEL), help="checkpoint directory (default: the bundled demo)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
-    srv.add_argument("--slots", type=int, default=4, help="concurrent requests decoded together (default 4)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind")
+    srv.add_argument("--port", type=int, default=8080, help="port; 0 = any free port")
+    srv.add_argument("--slots", type=int, default=4, help="concurrent requests decoded together")
     srv.add_argument("--ctx", type=int, default=None,
-                     help="context tokens per slot, prompt + output. Default: from the memory plan, the largest "
+                     help="context tokens per slot, prompt + output; at least the chat template's smallest prompt "
+                     "plus 16. Default: from the memory plan, the largest "
                      f"that fits --slots on the device without moving experts off it, at least {AGENT_CONTEXT:,} "
                      f"where that fits (Claude Code's first request alone is ~34k tokens), up to the model's "
                      f"max_position_embeddings (at most {MAX_DEFAULT_CONTEXT:,}); on a CPU (no device memory "
                      f"statistics) {CPU_CONTEXT:,}. The choice and why are printed at start")
     srv.add_argument("--api-key", default=None, help="require this key (x-api-key or Authorization: Bearer); "
-                     "default $STRATA_API_KEY")
+                     "default $STRATA_API_KEY, else no key")
     srv.add_argument("--served-name", default=None, help="model name in /v1/models (default: the model dir's name)")
     srv.add_argument("--vram-reserve-mib", type=int, default=None,
                      help="device memory the memory plan leaves free (default 1536)")
-    srv.add_argument("--vram-budget-mib", type=int, default=None,
-                     help="plan for a card of this size (default: the device's free memory; on a CPU without it, "
-                     "every expert stays resident); experts that do not fit run on the host")
+    budget = srv.add_mutually_exclusive_group()
+    budget.add_argument("--vram-budget-mib", type=int, default=None,
+                        help="plan for a card of this size (default: the device's free memory; on a CPU without it, "
+                        "every expert stays resident); experts that do not fit run on the host")
+    budget.add_argument("--card", default=None, metavar="SIZE", help=card_help + " (default: the card present)")
     srv.add_argument("--pool-workers", type=int, default=None,
                      help="host expert pool threads (default: the CPU quota granted, minus one)")
     srv.add_argument("--host-kernel", choices=("xla", "numpy"), default="xla",
                      help="how host experts are computed: xla (compiled by XLA:CPU, default) or numpy (the "
                      "reference, ~2-3x slower)")
     srv.add_argument("--gpu-experts", type=int, default=None,
-                     help="experts per MoE layer in the device pool, overriding the plan (packed experts only)")
+                     help="experts per MoE layer in the device pool, overriding the plan (packed experts only; "
+                     "default: the plan's)")
     srv.add_argument("--draft", default="none",
                      help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
                      "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")
-    srv.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step (default 4)")
+    srv.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step")
     srv.add_argument("--prefill-chunks", default=None, metavar="N,N,...",
                      type=lambda v: tuple(int(c) for c in v.split(",")),
                      help="prompt chunk sizes compiled at start; the largest bounds how long a prompt chunk delays "
-                          "running streams (default: 32,256,2048 on a GPU, 32,256 on a CPU)")
+                          "running streams (default: from the plan on a GPU, 32,256,4096 where the workspace keeps "
+                          "the device expert pool, else 32,256,2048; 32,256,2048 on a CPU)")
+    srv.add_argument("--prefill-batch", type=int, default=None, metavar="N",
+                     help="most prompts prefilled together in one call (each compiled count costs start-up time; "
+                          "default: 4 on a GPU where the plan allows, else 1; 1 on a CPU)")
     srv.add_argument("--watchdog", type=float, default=120.0, metavar="SECONDS",
                      help="an engine step running longer than this is taken as stuck: its requests fail with a "
                           "retryable error, /health answers 503, and after 30 s more the server exits with code 70 "
@@ -182,18 +238,23 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                      help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU; the backend is read by "
                      "the start-up device probe)")
+    srv.add_argument("--log-format", choices=["text", "json"], default="text",
+                     help="logs on stderr (one line per request at its end, access lines for other requests): "
+                     "text, or json (one object per line with the request's fields)")
+    srv.add_argument("--metrics-public", action="store_true",
+                     help="serve /metrics without the API key to clients on this machine (a local Prometheus); "
+                     "other clients still need the key")
     srv.set_defaults(func=_serve)
-    qnt = sub.add_parser(
-        "quantize",
-        help="convert a HF checkpoint: routed experts to packed 1-bit planes (orbax, resumable)",
-        description="Convert a Hugging Face checkpoint into a directory with packed 1-bit expert planes, written "
+    qnt = command(
+        "quantize", "convert a HF checkpoint: routed experts to packed 1-bit planes (orbax, resumable)",
+        "Convert a Hugging Face checkpoint into a directory with packed 1-bit expert planes, written "
         "part by part with orbax-checkpoint. Re-running resumes an interrupted conversion. load_model and serve "
         "accept the result directly.",
     )
-    qnt.add_argument("--model", required=True, help="source HF checkpoint directory")
-    qnt.add_argument("--out", required=True, help="output directory")
-    qnt.add_argument("--group", type=int, default=128, choices=[64, 128, 256], help="inputs per scale (default 128)")
-    qnt.add_argument("--planes", type=int, default=1, choices=[1, 2, 3, 4], help="residual bit-planes (default 1)")
+    qnt.add_argument("--model", required=True, help="source HF checkpoint directory (required)")
+    qnt.add_argument("--out", required=True, help="output directory (required)")
+    qnt.add_argument("--group", type=int, default=128, choices=[64, 128, 256], help="inputs per scale")
+    qnt.add_argument("--planes", type=int, default=1, choices=[1, 2, 3, 4], help="residual bit-planes")
     qnt.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dense weights' dtype")
     qnt.set_defaults(func=_quantize)
     pln = sub.add_parser(
@@ -201,36 +262,115 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the memory plan (what lives on the GPU, what stays in host RAM) and the CPU budget",
         description="Plan device memory for a checkpoint served with --slots x --ctx: dense weights, caches, "
         "workspace, reserve, and how many experts per MoE layer fit on the GPU. Reads config.json (and "
-        "strata_quant.json) only, never the weights. Exit code 2 when even the minimum does not fit.",
+        "strata_quant.json) only, never the weights. Works without the card: name one with --card (or "
+        "--vram-budget-mib); on a machine without device memory statistics (a CPU) one of them is required.\n\n"
+        f"card sizes (--card):\n{cards_help()}",
+        epilog=EXIT_CODES,
+        formatter_class=DefaultsFormatter,
     )
     src = pln.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="HF or converted checkpoint directory (default: the bundled demo)")
-    src.add_argument("--preset", default=None, help="a synthetic preset instead, e.g. flash-next-125b")
-    pln.add_argument("--slots", type=int, default=4, help="concurrent sequences (default 4)")
+    src.add_argument("--preset", default=None,
+                     help="a synthetic model at real shapes instead of --model, e.g. flash-next-125b (default: "
+                     "none)")
+    pln.add_argument("--slots", type=int, default=4, help="concurrent sequences")
     pln.add_argument("--ctx", type=int, default=None,
                      help="context tokens per slot (default: what serve would choose, the largest that fits without "
                      f"moving experts off the device, at least {AGENT_CONTEXT:,} where it fits)")
     pln.add_argument("--planes", type=int, default=None, choices=[0, 1, 2, 3, 4],
                      help="expert bit-planes (default 1; 0 = dense experts; a converted dir's own value wins)")
-    pln.add_argument("--group", type=int, default=None, choices=[64, 128, 256], help="inputs per scale (default 128)")
+    pln.add_argument("--group", type=int, default=None, choices=[64, 128, 256],
+                     help="inputs per scale (default 128; a converted dir's own value wins)")
     pln.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                      help="dense weights (default bfloat16, serve's default on a GPU)")
-    pln.add_argument("--cache-dtype", choices=["bfloat16", "float32"], default=None, help="default: --dtype")
-    pln.add_argument("--vram-reserve-mib", type=int, default=1536, help="device memory to leave free (default 1536)")
-    pln.add_argument("--vram-budget-mib", type=int, default=None, help="act as a card of this size (required on CPU)")
-    pln.add_argument("--pool-workers", type=int, default=None, help="host expert pool threads (default: from quota)")
+    pln.add_argument("--cache-dtype", choices=["bfloat16", "float32"], default=None,
+                     help="KV and conv caches (default: --dtype)")
+    pln.add_argument("--vram-reserve-mib", type=int, default=1536, help="device memory to leave free")
+    budget = pln.add_mutually_exclusive_group()
+    budget.add_argument("--vram-budget-mib", type=int, default=None,
+                        help="act as a card of this size in MiB (default: the device's free memory)")
+    budget.add_argument("--card", default=None, metavar="SIZE", help=card_help + " (default: the device present)")
+    pln.add_argument("--pool-workers", type=int, default=None,
+                     help="host expert pool threads (default: the CPU quota granted, minus one)")
     pln.set_defaults(func=_plan)
+    sub.add_parser("bench", help="benchmarks, the same as python -m strata_jax.bench (`bench --help` lists the "
+                   "modes)", add_help=False)
     return parser
+
+
+# A served context must hold the chat template's smallest prompt and at least this many answer tokens.
+MIN_ANSWER_TOKENS = 16
+
+
+def _check_context_fits_the_template(model_dir: Path, ctx: int) -> None:
+    """ValueError unless `ctx` tokens hold the chat template's prompt for a one-word user message plus
+    MIN_ANSWER_TOKENS: a smaller context would refuse every request."""
+    from strata_jax.tokenizer import load_tokenizer
+
+    if not (model_dir / "tokenizer.json").is_file():
+        return  # loading reports the missing tokenizer
+    tok = load_tokenizer(model_dir)
+    smallest = len(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           tokenize=True))
+    need = smallest + MIN_ANSWER_TOKENS
+    if ctx < need:
+        raise ValueError(f"--ctx {ctx} is too small: the chat template alone takes {smallest} tokens for a one-word "
+                         f"message, so --ctx must be at least {need} (that prompt plus {MIN_ANSWER_TOKENS} tokens of "
+                         f"answer); coding agents need far more (Claude Code's first request is ~34,000 tokens). "
+                         "Leave --ctx out to let the memory plan choose")
+
+
+def _apply_card(args: argparse.Namespace) -> None:
+    """`--card SIZE` becomes the --vram-budget-mib of that size (ValueError naming the sizes if unknown)."""
+    from strata_jax.engine.cards import card_budget_mib
+
+    if getattr(args, "card", None):
+        args.vram_budget_mib = card_budget_mib(args.card)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeSetup:
     """What serve's start-up plan decided: the device expert pool size (None: every expert resident), the context
-    per slot and the weights' dtype."""
+    per slot and the weights' dtype; and, for the start-up summary and the monitor, the backend, a one-line
+    summary of the plan and its rows (label, value)."""
 
     gpu_experts: int | None
     ctx: int
     dtype: str
+    chunks: tuple[int, ...] = (32, 256)
+    batch: int = 1
+    backend: str | None = None
+    plan_summary: str = ""
+    plan_rows: tuple[tuple[str, str], ...] = ()
+
+
+def plan_rows(plan) -> tuple[tuple[str, str], ...]:
+    """A memory plan as (label, value) rows for the web monitor."""
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
+    rows = [("budget", f"{gib(plan.budget)} ({plan.budget_source})"),
+            ("dense weights", gib(plan.dense_bytes)),
+            (f"caches ({plan.slots} x {plan.max_context:,} tokens)", gib(plan.cache_bytes)),
+            (f"workspace ({plan.workspace.phase})", gib(plan.workspace.bytes))]
+    if plan.moe_layers:
+        rows.append((f"experts on the GPU ({plan.gpu_experts} of {plan.num_experts} per layer)",
+                     gib(plan.gpu_expert_bytes)))
+        if plan.host_expert_bytes:
+            rows.append(("experts in host RAM", gib(plan.host_expert_bytes)))
+    rows += [("reserve (kept free)", gib(plan.reserve)), ("planned on the GPU", gib(plan.device_bytes))]
+    return tuple(rows)
+
+
+def plan_summary(plan) -> str:
+    """A memory plan in one line for the start-up summary."""
+    experts = ""
+    if plan.moe_layers:
+        experts = f", {plan.gpu_experts} of {plan.num_experts} experts per layer on the GPU"
+        if plan.host_expert_bytes:
+            experts += f" (the rest, {plan.host_expert_bytes / 2**30:.1f} GiB, in host RAM)"
+    return (f"{plan.device_bytes / 2**30:.1f} of {plan.budget / 2**30:.1f} GiB on the device planned{experts}, "
+            f"{plan.reserve / 2**30:.1f} GiB kept free")
 
 
 def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
@@ -246,6 +386,7 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
         allocator_env,
         apply_env,
         choose_context,
+        choose_prefill,
         default_dtype,
         format_plan,
         make_plan,
@@ -264,10 +405,18 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
         print(f"weights: {dtype} (default for {seen}; --dtype to change)", flush=True)
     cfg, quant, _, with_mtp = _checkpoint_shapes(model_dir, None, None, dtype, quantized_only=True)
     reserve = DEFAULT_RESERVE_MIB if args.vram_reserve_mib is None else args.vram_reserve_mib
-    engine = EngineConfig(slots=args.slots)
+    engine = EngineConfig(slots=args.slots, prefill_chunks=(32, 256, 2048))
     ctx = choose_context(args.ctx, cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp,
                          vram_reserve_mib=reserve, vram_budget_mib=args.vram_budget_mib, device=device)
     print(f"context: {args.slots} slots x {ctx.tokens} tokens ({ctx.reason})", flush=True)
+    engine = dataclasses.replace(engine, max_context=ctx.tokens)
+    prefill = choose_prefill(args.prefill_chunks, args.prefill_batch, cfg, quant, engine, weights_dtype=dtype,
+                             with_mtp=with_mtp, vram_reserve_mib=reserve, vram_budget_mib=args.vram_budget_mib,
+                             device=device)
+    engine = dataclasses.replace(engine, prefill_chunks=prefill.chunks, prefill_batch=prefill.batch)
+    print(f"prefill: chunks of {','.join(map(str, engine.prefill_chunks))} tokens, up to {max(engine.prefill_batches)} "
+          f"prompt(s) per call ({prefill.reason})", flush=True)
+    shapes = dict(chunks=engine.prefill_chunks, batch=engine.prefill_batch, backend=probe.backend)
     if ctx.tokens > cfg.max_position_embeddings:
         print(f"note: the context exceeds the model's max_position_embeddings ({cfg.max_position_embeddings}): "
               "positions past it were not trained", flush=True)
@@ -276,16 +425,18 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
         if args.gpu_experts is not None:
             print(f"host expert tier: --gpu-experts {args.gpu_experts} experts per MoE layer in the device pool, "
                   f"the others computed by {budget.workers} host worker(s) ({args.host_kernel})", flush=True)
-            return ServeSetup(args.gpu_experts, ctx.tokens, dtype)
+            return ServeSetup(args.gpu_experts, ctx.tokens, dtype, **shapes, plan_summary=(
+                f"--gpu-experts {args.gpu_experts} per MoE layer on the device (no device statistics)"))
         print("memory plan: no device memory statistics (CPU backend) and no --vram-budget-mib: every weight stays "
               "resident", flush=True)
-        return ServeSetup(None, ctx.tokens, dtype)
-    plan = make_plan(cfg, quant, dataclasses.replace(engine, max_context=ctx.tokens), weights_dtype=dtype,
+        return ServeSetup(None, ctx.tokens, dtype, **shapes, plan_summary=(
+            "every weight resident (no device memory statistics on this backend: no plan)"))
+    plan = make_plan(cfg, quant, engine, weights_dtype=dtype,
                      with_mtp=with_mtp, vram_reserve_mib=reserve, vram_budget_mib=args.vram_budget_mib, device=device)
     print(format_plan(plan), flush=True)
     print(describe(budget), flush=True)
     if not plan.fits:
-        raise ValueError(plan.message)
+        raise DoesNotFit(plan.message)
     if quant is None and plan.gpu_experts < plan.num_experts:
         raise ValueError(f"only {plan.gpu_experts} of {plan.num_experts} experts per layer fit, and the host tier "
                          "needs packed experts: convert the checkpoint with `python -m strata_jax quantize`")
@@ -298,7 +449,7 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
         print(f"host expert tier: {pool} of {plan.num_experts} experts per MoE layer in the device pool, the others "
               f"computed by {budget.workers} host worker(s) ({args.host_kernel}); hot experts are promoted while "
               "serving", flush=True)
-    return ServeSetup(pool, ctx.tokens, dtype)
+    return ServeSetup(pool, ctx.tokens, dtype, **shapes, plan_summary=plan_summary(plan), plan_rows=plan_rows(plan))
 
 
 def _checkpoint_shapes(model_dir: Path, planes: int | None, group: int | None, dtype: str | None,
@@ -330,7 +481,10 @@ def _checkpoint_shapes(model_dir: Path, planes: int | None, group: int | None, d
 def _plan(args: argparse.Namespace) -> int:
     import os
 
+    from strata_jax.engine.cards import CARDS
     from strata_jax.engine.planner import PROBE_ENV, apply_env
+
+    _apply_card(args)
 
     # Before JAX's backend starts: a limit of the whole card and no preallocation, so memory_stats shows the card.
     apply_env(PROBE_ENV, os.environ)
@@ -350,6 +504,9 @@ def _plan(args: argparse.Namespace) -> int:
                                                          args.dtype)
     engine = EngineConfig(slots=args.slots, cache_dtype=args.cache_dtype)
     device = device_memory()
+    if device is None and args.vram_budget_mib is None:
+        raise ValueError("this machine's backend reports no device memory (a CPU?): name the card to plan for, "
+                         f"e.g. --card 24gb (sizes: {', '.join(CARDS)}) or --vram-budget-mib 24564")
     ctx = choose_context(args.ctx, cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp,
                          vram_reserve_mib=args.vram_reserve_mib, vram_budget_mib=args.vram_budget_mib, device=device)
     plan = make_plan(cfg, quant, dataclasses.replace(engine, max_context=ctx.tokens), weights_dtype=dtype,
@@ -361,20 +518,33 @@ def _plan(args: argparse.Namespace) -> int:
     print(describe(cpu_budget(pool_workers=args.pool_workers)), flush=True)
     if not plan.fits:
         print(f"error: {plan.message}", file=sys.stderr)
-        return 2
+        return EXIT_DOES_NOT_FIT
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line on `argv` (default: sys.argv[1:]); returns the exit code (EXIT_CODES)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark wing has its own parser (python -m strata_jax.bench)
+        from strata_jax.bench.main import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     if getattr(args, "max_tokens", 1) < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         return args.func(args)
+    except DoesNotFit as e:  # the planner's message starts with "does not fit"
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

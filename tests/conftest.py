@@ -14,6 +14,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SLOW_FILES = {
     "bench/test_bench.py", "bench/test_bench_tier.py", "bench/test_bench_kernels.py", "cli/test_cli.py",
     "cli/test_plan_cli.py", "cli/test_packaging.py", "server/test_server_cli.py", "server/test_serve_tier.py",
+    "server/test_web_ui.py",
     "kernels/test_notebook.py", "engine/test_speculative.py", "engine/test_engine_faults.py",
 }
 SLOW_TESTS = {

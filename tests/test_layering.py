@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "pallas_kernels": 0,
     "strata_jax.model": 1,
     "strata_jax.tokenizer": 1,
+    "strata_jax.cli_help": 1,
     "strata_jax.weights": 2,
     "strata_jax.host": 2,
     "strata_jax.demo": 2,

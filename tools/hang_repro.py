@@ -58,7 +58,21 @@ async def one():
     return [e async for e in s][-1]
 t = time.monotonic()
 last = asyncio.run(one())
-print("HUNG" if last.finish_reason == "error" else f"served in {time.monotonic() - t:.2f}s", flush=True)
+if last.finish_reason != "error":
+    print(f"served in {time.monotonic() - t:.2f}s", flush=True)
+else:
+    import os, subprocess
+    # gdb sees every native thread (XLA's worker pools included); py-spy only the Python ones.
+    dump = subprocess.run(["timeout", "1200", "gdb", "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt 30"],
+                          capture_output=True, text=True)
+    open(f"/tmp/hang-{os.getpid()}.txt", "w").write(dump.stdout + dump.stderr)
+    for waited in range(int(sys.argv[2])):  # a slow step comes back and the engine reports healthy again
+        if engine.health()[0]:
+            break
+        time.sleep(1)
+    state = "recovered" if engine.health()[0] else "stuck"
+    print(f"HUNG ({state} {waited}s after the watchdog; stacks in /tmp/hang-{os.getpid()}.txt)", flush=True)
+    os._exit(0)
 engine.shutdown()
 """
 
@@ -130,14 +144,19 @@ def main() -> None:
                          "counts as hung (default 60)")
     ap.add_argument("--load", type=int, default=os.cpu_count() or 2, help="busy loops beside each run")
     ap.add_argument("--eigen-single", action="store_true", help="run with --xla_cpu_multi_thread_eigen=false")
+    ap.add_argument("--xla-flags", default="", help="more XLA_FLAGS for the runs (A/B of XLA:CPU options)")
     ap.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal")
     ap.add_argument("--serve", action="store_true", help="through the HTTP server, as first reported")
     ap.add_argument("--long", action="store_true", help="the long-prompt setup that reproduces it (see above)")
+    ap.add_argument("--stuck-wait", type=int, default=120,
+                    help="--long: seconds to wait after a watchdog trip for the step to come back (default 120)")
     ap.add_argument("--sync-dispatch", action="store_true", help="--long with asynchronous dispatch off")
     args = ap.parse_args()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     if args.eigen_single:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+    if args.xla_flags:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
     stop = multiprocessing.Event()
     spinners = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.load)]
     for p in spinners:
@@ -152,8 +171,8 @@ def main() -> None:
                     continue
                 if args.long:
                     mode = "sync" if args.sync_dispatch else "async"
-                    r = subprocess.run([sys.executable, "-c", LONG, mode], env=env, capture_output=True, text=True,
-                                       timeout=args.timeout + 600)
+                    r = subprocess.run([sys.executable, "-c", LONG, mode, str(args.stuck_wait)], env=env,
+                                       capture_output=True, text=True, timeout=args.timeout + 1800)
                     hung = "HUNG" in r.stdout
                     hangs += hung
                     tail = (r.stdout.strip().splitlines() or [r.stderr.strip()[-200:]])[-1]
@@ -168,7 +187,8 @@ def main() -> None:
                 print(f"run {i}: HANG (no answer in {args.timeout:.0f}s after start-up)", flush=True)
     finally:
         stop.set()
-    print(f"{hangs} hung of {args.runs} (eigen_single={args.eigen_single}, load={args.load}, serve={args.serve})",
+    print(f"{hangs} hung of {args.runs} (XLA_FLAGS={env.get('XLA_FLAGS', '')!r}, load={args.load}, "
+          f"serve={args.serve})",
           flush=True)
 
 

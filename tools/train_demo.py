@@ -825,8 +825,8 @@ def training_taps(cfg):
             _TAPS.append(("balance", cfg.num_experts * jnp.sum(frac * jnp.mean(probs, axis=0))))
         return logits
 
-    def attention(self, x, cache, start):
-        out = attn_call(self, x, cache, start)
+    def attention(self, x, cache, start, n_valid):
+        out = attn_call(self, x, cache, start, n_valid)
         if _TAPS is not None and cfg.qsa:
             _TAPS.append(("indexer", _indexer_kl(self, jax.lax.stop_gradient(x), start, apply_rope, rope_cos_sin)))
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,54 @@ _FREE_OPS = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "co
 _CONTROL_OPS = frozenset({"while", "conditional", "call"})
 
 
-def copy_bandwidth(gib: float = 2.0, reps: int = 20) -> float:
-    """Bytes/s of one fused elementwise pass (read + write) over a large random bf16 array."""
+PROBE_GIB = 2.0  # the largest bandwidth probe: far past every cache
+MIN_PROBE_GIB = 1 / 16
+
+
+def free_memory_bytes(device=None) -> int | None:
+    """Memory free where arrays of `device` (default: the first) live: the device allocator's limit less its use,
+    or, for a CPU, the host's available memory (/proc/meminfo) capped by the cgroup's memory limit less its usage;
+    None when unknown."""
+    dev = device if device is not None else jax.devices()[0]
+    try:
+        stats = dev.memory_stats()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    candidates = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" or a page-rounded 2^63 mean no limit
+            candidates.append(max(0, int(limit) - usage))
+    return min(candidates) if candidates else None
+
+
+def probe_gib(limit: float = PROBE_GIB, device=None) -> float:
+    """A bandwidth probe's size for this machine: `limit` GiB, or an eighth of the free memory if that is less
+    (the probe holds its input, its output and the generator's temporaries), and at least MIN_PROBE_GIB."""
+    free = free_memory_bytes(device)
+    if free is None:
+        return limit
+    return max(MIN_PROBE_GIB, min(limit, free / 8 / 2**30))
+
+
+def copy_bandwidth(gib: float | None = None, reps: int = 20) -> float:
+    """Bytes/s of one fused elementwise pass (read + write) over a large random bf16 array of `gib` GiB (default:
+    `probe_gib()`, sized to the free memory)."""
+    gib = probe_gib() if gib is None else gib
     n = int(gib * 2**30 / 2)
     x = jax.random.normal(jax.random.key(1), (n,), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1.0001 + 0.5)
@@ -35,6 +82,27 @@ def copy_bandwidth(gib: float = 2.0, reps: int = 20) -> float:
         f(x).block_until_ready()
         times.append(time.perf_counter() - t)
     return 2 * n * 2 / statistics.median(times)
+
+
+def memory_bandwidth(gib: float | None = None, reps: int = 7) -> tuple[float, float]:
+    """(copy, read) bytes/s of the first device over a random uint32 array of `gib` GiB (default: `probe_gib(1)`):
+    an XOR pass that reads and writes it, and an XOR reduction that only reads it. Integer work, so a CPU is
+    measured at its memory rate rather than at its bf16 arithmetic."""
+    gib = probe_gib(1.0) if gib is None else gib
+    n = max(1024, int(gib * 2**30 / 4) // 1024 * 1024)
+    a = jax.random.bits(jax.random.key(1), (n,), jnp.uint32)
+    copy = jax.jit(lambda x: x ^ jnp.uint32(0x5A5A5A5A))
+    read = jax.jit(lambda x: jnp.bitwise_xor.reduce(x.reshape(-1, 1024), axis=1))
+    seconds = []
+    for f in (copy, read):
+        f(a).block_until_ready()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f(a).block_until_ready()
+            times.append(time.perf_counter() - t)
+        seconds.append(statistics.median(times))
+    return 2 * n * 4 / seconds[0], n * 4 / seconds[1]
 
 
 def kernel_ops(hlo_text: str) -> dict[str, int]:

@@ -39,8 +39,9 @@ def fuzz_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bodies", type=int, default=2000, help="hostile bodies to send (default 2000)")
     g.add_argument("--seed", type=int, default=SEED, help=f"seed of the body generator (default {SEED})")
     g.add_argument("--clients", type=int, default=4, help="connections sending bodies at once (default 4)")
-    g.add_argument("--url", default=None, help="fuzz a running server instead of starting one (needs --api-key)")
-    g.add_argument("--api-key", default=None, help="the running server's key (with --url)")
+    g.add_argument("--url", default=None, help="fuzz a running server instead of starting one (needs --api-key; "
+                   "default: start one)")
+    g.add_argument("--api-key", default=None, help="the running server's key (with --url; default: none)")
     g.add_argument("--soak", type=int, default=48, help="streams dropped after their first bytes (default 48)")
 
 

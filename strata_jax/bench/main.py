@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strata_jax.cli_help import DefaultsFormatter
 from strata_jax.bench.attention import attention_args, print_attention_table, run_attention
 from strata_jax.bench.fuzz import fuzz_args, print_fuzz_report, run_fuzz
 from strata_jax.bench.prefill import prefill_args, print_prefill_table, run_prefill
@@ -271,46 +272,83 @@ def _write_json(path: str, rows: list[dict]) -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line: shared options first, then one group per mode."""
+    p = argparse.ArgumentParser(
+        prog="python -m strata_jax.bench",
+        usage="%(prog)s [--mode MODE] [options of that mode] [--json FILE]",
+        description="Measure the engine against the floors of the device. Each --mode has its own options below "
+        "(under \"<mode> mode\"); the shared ones come first. Figures come from this machine; the users mode also "
+        "shows the seed system's published RTX 5090 figures beside them, labelled as such.\n\n"
+        "modes (--mode):\n"
+        "  users      N concurrent users streaming a coding prompt (the seed system's scenario; default)\n"
+        "  prefill    time to first token by prompt length, against the measured matmul roof\n"
+        "  step       the decode (and verify) step of a synthetic model at real shapes, against its floors\n"
+        "  tier       decode with experts split between the GPU and the host under VRAM budgets\n"
+        "  host       one MoE layer's host expert work alone, per host kernel (CPU)\n"
+        "  roundtrip  a host callback's cost inside a jitted program\n"
+        "  deltanet   one Gated DeltaNet recurrence call per implementation\n"
+        "  hyper      one hyper-connection call per implementation\n"
+        "  attention  one decode-attention call per implementation\n"
+        "  quant      how 1-4 expert bit-planes change a checkpoint's logits\n"
+        "  load       quantize-on-load against restoring a converted directory\n"
+        "  fuzz       hostile bodies against a real server\n\n"
+        "Run `python -m strata_jax.bench --mode MODE` with that mode's options; strata_jax/bench/main.py's "
+        "docstring says more about each.",
+        formatter_class=DefaultsFormatter,
+    )
+    run = p.add_argument_group("what to run")
+    run.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
+                                         "hyper", "attention", "fuzz", "prefill"],
+                     default="users", help="what to measure (the list above)")
+    run.add_argument("--json", help="also write the rows as JSON to this file (default: not written)")
+    model = p.add_argument_group("model and shapes (shared by several modes)")
+    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="synthetic model shapes (step/tier/deltanet/hyper/attention modes: default "
+                            "flash-next-125b; users and prefill modes: benchmark a synthetic model instead of the "
+                            "bundled demo)")
+    model.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
+    model.add_argument("--slots", default="1,4,8,16,32",
+                       help="comma-separated slot counts (step, tier, deltanet, attention modes)")
+    model.add_argument("--ctx", type=int, default=None,
+                       help="context per slot (KV cache length; default 4096; users mode: prompt + output + 16, "
+                            "while a server allocates far more, e.g. 65536: costs that grow with the allocation "
+                            "show with it)")
+    model.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
+    model.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    model.add_argument("--planes", type=int, default=1, help="expert bit-planes")
+    model.add_argument("--group", type=int, default=128, help="inputs per expert scale")
+    model.add_argument("--impl", default="auto", help="expert kernel: auto | pallas | xla | reference")
+    model.add_argument("--bandwidth-gib", type=float, default=None,
+                       help="size of the copy-bandwidth probe that floors are measured against (default: 2 GiB, or "
+                            "an eighth of the free memory where it runs if that is less)")
+    step = p.add_argument_group("step mode")
+    step.add_argument("--verify-slots", default="1,4,8",
+                      help="slot counts for which a verify call of draft-k+1 tokens is timed too ('' = none)")
+    step.add_argument("--state-args", choices=["leaves", "pytree"], default="leaves",
+                      help="pass the weights as a flat list of arrays (as the engine does) or as the nnx.State "
+                           "pytree (to measure what flattening it on every call costs)")
+    step.add_argument("--profile", metavar="DIR",
+                      help="trace a few steps of each row into DIR (Perfetto; default: no trace)")
+    step.add_argument("--dump-hlo", metavar="DIR", help="write each compiled step's HLO text into DIR (default: not "
+                      "written)")
+    step.add_argument("--hyper-prefold", action="store_true",
+                      help="run every hyper-connection as prefold_mix (strata_jax.model.hyper), an experiment that "
+                           "is off by default (no gain in the step: docs/PERF.md)")
+    users_args(p.add_argument_group("users mode (--model-dir, --dtype, --prefill-chunks also prefill; --routing, "
+                                    "--zipf-s, --vram-reserve-mib also tier)"))
+    tier_args(p.add_argument_group("tier mode"))
+    host_args(p.add_argument_group("host and roundtrip modes"))
+    deltanet_args(p.add_argument_group("deltanet mode"))
+    hyper_args(p.add_argument_group("hyper mode"))
+    attention_args(p.add_argument_group("attention mode"))
+    fuzz_args(p)  # adds its own "fuzz mode" group
+    prefill_args(p)  # adds its own "prefill mode" group
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m strata_jax.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
-                                       "hyper", "attention", "fuzz", "prefill"],
-                   default="users",
-                   help="what to measure (default: users, the seed system's scenario)")
-    p.add_argument("--model", default="tests/fixtures/ckpt/qwen4_exp_causal", help="checkpoint for --mode quant")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="synthetic model shapes (step/tier modes: default flash-next-125b; users mode: benchmark "
-                        "a synthetic model instead of the bundled demo)")
-    p.add_argument("--slots", default="1,4,8,16,32", help="comma-separated slot counts")
-    p.add_argument("--ctx", type=int, default=None,
-                   help="context per slot (KV cache length; default 4096; users mode: prompt + output + 16, while a "
-                        "server allocates far more, e.g. 65536: costs that grow with the allocation show with it)")
-    p.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
-    p.add_argument("--verify-slots", default="1,4,8",
-                   help="step mode: slot counts for which a verify call of draft-k+1 tokens is timed too ('' = none)")
-    p.add_argument("--planes", type=int, default=1, help="expert bit-planes")
-    p.add_argument("--group", type=int, default=128, help="inputs per expert scale")
-    p.add_argument("--impl", default="auto", help="expert kernel: auto | pallas | xla | reference")
-    p.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the bandwidth probe")
-    p.add_argument("--json", help="write the rows as JSON here")
-    p.add_argument("--state-args", choices=["leaves", "pytree"], default="leaves",
-                   help="step mode: pass the weights as a flat list of arrays (default, as the engine does) or as "
-                        "the nnx.State pytree (to measure what flattening it on every call costs)")
-    p.add_argument("--profile", metavar="DIR", help="step mode: trace a few steps of each row into DIR (Perfetto)")
-    p.add_argument("--dump-hlo", metavar="DIR", help="step mode: write each compiled step's HLO text into DIR")
-    p.add_argument("--hyper-prefold", action="store_true",
-                   help="step mode: run every hyper-connection as prefold_mix (strata_jax.model.hyper), an "
-                        "experiment that is off by default (no gain in the step: docs/PERF.md)")
-    users_args(p)
-    tier_args(p)
-    host_args(p)
-    deltanet_args(p)
-    hyper_args(p)
-    attention_args(p)
-    fuzz_args(p)
-    prefill_args(p)
+    p = build_parser()
     args = p.parse_args(argv)
     if args.mode in ("users", "prefill") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 
-import jax
-import jax.numpy as jnp
-
+from strata_jax.bench.common import matmul_rate
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.model.config import ModelConfig
 
@@ -31,22 +28,6 @@ def prefill_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-mib", type=int, default=2048,
                    help="the engine's prefix cache (default 2048, as served: its snapshots are part of prefill's "
                         "cost; every prompt here is new, so nothing is reused; 0 = off)")
-
-
-def matmul_rate(n: int | None = None, reps: int = 10) -> float:
-    """FLOP/s of a large bf16 matmul on the default device (the compute roof prefill is measured against); n
-    defaults to 8192 on an accelerator and 1024 on a CPU (where 8192 would take minutes)."""
-    n = n or (1024 if jax.default_backend() == "cpu" else 8192)
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times)
 
 
 def prefill_flops(cfg: ModelConfig, n_tokens: int) -> dict[str, float]:

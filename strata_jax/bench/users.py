@@ -9,6 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -24,6 +25,7 @@ from strata_jax.bench.synthetic import preset_config, synthetic_model
 
 # Strata, RTX 5090, 256K context (docs/ARCHITECTURE.md, "Background"): users -> (per-user tok/s, aggregate tok/s, TTFT).
 SEED = {1: (144.0, 144.0, "< 2 s"), 4: (38.0, 125.0, "2-8 s"), 8: (19.0, 130.0, "2-8 s")}
+SEED_SOURCE = "Strata on an RTX 5090, 256K context, its drafter on"
 
 _CODE = '''def merge_sorted(a, b):
     """Merge two sorted lists into one sorted list."""
@@ -141,6 +143,7 @@ def run_users(args) -> list[dict]:
         for users in args.users:
             builtin = draft in ("none", "ngram", "mtp")
             config = EngineConfig(slots=users, max_context=ctx, prefill_chunks=args.prefill_chunks, prefix_cache_mib=0,
+                                  prefill_batch=args.prefill_batch,
                                   draft=draft if builtin else "none", draft_k=args.draft_k,
                                   overlap_steps=not args.no_overlap)
             engine = Engine(model, config, drafter=None if builtin else _draft_model(draft, model, config, args))
@@ -175,8 +178,13 @@ def run_users(args) -> list[dict]:
                 "seed_per_user_tok_s": SEED.get(users, (None,) * 3)[0],
                 "seed_aggregate_tok_s": SEED.get(users, (None,) * 3)[1],
                 "seed_ttft": SEED.get(users, (None,) * 3)[2],
+                "seed_source": SEED_SOURCE,  # the seed_* figures are published ones, not measured here
+                "measured_on": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
                 "gpu_hit_rate": stats.get("expert_gpu_hit_rate", 1.0),
                 "routing": args.routing,
+                "prefill_batch": args.prefill_batch,
+                "prefill_calls": stats.get("prefill_calls_total"),
+                "prefill_chunks": stats.get("prefill_chunks_total"),
             }
             rows.append(row)
             print(f"users {users}, speculation {draft}: {row['per_user_tok_s']:.1f} tok/s per user, "
@@ -185,9 +193,17 @@ def run_users(args) -> list[dict]:
     return rows
 
 
+def figures_note(device: str) -> str:
+    """Where the table's figures come from: this machine, and (in parentheses) the seed system's published card."""
+    return (f"Measured on this machine ({device}). In parentheses: the seed system's published figures "
+            f"({SEED_SOURCE}), not measured here; compare like with like only on comparable hardware.")
+
+
 def print_users_table(rows: list[dict]) -> None:
-    print("\n| users | speculation | tok/s per user (seed) | aggregate tok/s (seed) | TTFT p50 / p95 s (seed) "
-          "| acceptance | step floor ms | floor / time per token | GPU expert hit rate |")
+    print("\n" + figures_note(f"{jax.devices()[0].device_kind}, {jax.default_backend()} backend"))
+    print("\n| users | speculation | tok/s per user here (seed) | aggregate tok/s here (seed) "
+          "| TTFT p50 / p95 s here (seed) | acceptance | step floor ms | floor / time per token "
+          "| GPU expert hit rate |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         seed_u = "-" if r["seed_per_user_tok_s"] is None else f"{r['seed_per_user_tok_s']:.0f}"
@@ -216,13 +232,17 @@ def users_args(p) -> None:
     p.add_argument("--prefill-chunks", default="64,256",
                    type=lambda v: tuple(int(c) for c in v.split(",")),
                    help="the engine's prefill chunk sizes (each is one compiled function; default 64,256)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--prefill-batch", type=int, default=1,
+                   help="users mode: the most prompts prefilled together in one call (EngineConfig.prefill_batch; "
+                        "default 1: one prompt per call)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights' dtype")
     p.add_argument("--vram-budget-mib", type=int, default=None,
                    help="users mode: plan the device expert pool for a card of this size (the other experts run "
                    "on the host); default: every expert on the device")
     p.add_argument("--vram-reserve-mib", type=int, default=1536, help="the planner's reserve (default 1536)")
     p.add_argument("--gpu-experts", type=int, default=None,
-                   help="users mode: experts per MoE layer on the device, overriding the planner (experiments)")
+                   help="users mode: experts per MoE layer on the device, overriding the planner (experiments; "
+                   "default: the planner's, or every expert without --vram-budget-mib)")
     p.add_argument("--routing", default="uniform",
                    help="synthetic routing: uniform or zipf (users mode); tier mode takes a list, e.g. uniform,zipf")
     p.add_argument("--zipf-s", type=float, default=0.6,

@@ -16,6 +16,9 @@ class EngineConfig:
     """slots: concurrent sequences decoded by one step. max_context: tokens per slot (prompt + output).
     prefill_chunks: prompt chunk sizes compiled at warm-up; the largest sets the grid prompts are cut on (and
     bounds how long a prefill chunk stalls running streams), smaller ones serve short remainders.
+    prefill_batch: the most prompts prefilled together in one call (each its own chunk, one row of the call): up to
+    this many prompts that need a chunk of the same size share a step, in power-of-two groups (each group size is
+    compiled for each chunk size). 1 = one prompt per call.
     prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it).
     snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
     draft: speculative drafter for every slot: "none", "ngram" (prompt lookup) or "mtp" (the checkpoint's own MTP
@@ -36,6 +39,7 @@ class EngineConfig:
     slots: int = 4
     max_context: int = 4096
     prefill_chunks: tuple[int, ...] = (32, 256)
+    prefill_batch: int = 1
     prefix_cache_mib: int = 2048
     snapshot_every: int = 1024
     cache_dtype: str | None = None
@@ -65,9 +69,17 @@ class EngineConfig:
         if not self.prefill_chunks or min(self.prefill_chunks) < 1:
             raise ValueError("prefill_chunks must be positive sizes")
         object.__setattr__(self, "prefill_chunks", tuple(sorted(set(self.prefill_chunks))))
+        if self.prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be >= 1, got {self.prefill_batch}")
         big = self.prefill_chunks[-1]
         if self.snapshot_every % big:
             object.__setattr__(self, "snapshot_every", max(big, self.snapshot_every // big * big))
+
+    @property
+    def prefill_batches(self) -> tuple[int, ...]:
+        """The prompt counts a prefill call is compiled for: powers of two up to `prefill_batch` and the slots."""
+        most = min(self.prefill_batch, self.slots)
+        return tuple(1 << i for i in range(most.bit_length()) if 1 << i <= most)
 
     @property
     def chunk(self) -> int:

@@ -49,7 +49,7 @@ class DraftModelDrafter:
         self._draft = jax.jit(functools.partial(_draft_k, self.k, draft.graphdef))
         self._synced = [0] * config.slots
         self._owner: list[object | None] = [None] * config.slots
-        self._greedy = (0.0, 0, 1.0, 0)
+        self._greedy = ([0.0], [0], [1.0], [0])
 
     def warm_up(self) -> None:
         """Compiles the draft model's prefill steps and the k-token draft call."""
@@ -68,7 +68,7 @@ class DraftModelDrafter:
             n = min(size, len(todo))
             tokens = np.zeros((1, size), np.int32)
             tokens[0, :n] = todo[:n]
-            self.runner.prefill(slot, tokens, n, -1, (), self._greedy)
+            self.runner.prefill([slot], tokens, [n], [-1], (), self._greedy)
             self._synced[slot] += n
 
     def propose(self, requests: Mapping[int, DraftRequest]) -> dict[int, list[int]]:

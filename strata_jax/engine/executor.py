@@ -22,6 +22,14 @@ from strata_jax.engine.runner import ModelRunner
 from strata_jax.loaded_model import LoadedModel
 
 
+class PrefillBatchFailed(Exception):
+    """A prefill call that ran several jobs failed: which one's inputs caused it is not known."""
+
+    def __init__(self, jobs: list[Job], cause: Exception):
+        super().__init__(str(cause))
+        self.jobs = jobs
+
+
 @dataclasses.dataclass
 class InFlight:
     """A decode step launched but not read back yet (`overlap_steps`): its device output and the jobs it ran."""
@@ -54,26 +62,52 @@ class StepExecutor:
         if self.placement.active:
             self.runner.weights_changed()
 
-    def prefill(self, job: Job) -> int | None:
-        """Runs `job`'s next prompt chunk (cut on the largest chunk's grid); returns the token sampled after the
-        prompt's last chunk, else None."""
-        grid, fill = self.config.chunk, job.fill
-        end = min(len(fill), (job.pos // grid + 1) * grid)
-        n = end - job.pos
-        size = next(c for c in self.config.prefill_chunks if c >= n)
-        tokens = np.zeros((1, size), np.int32)
+    def chunk_size(self, job: Job) -> int:
+        """The compiled chunk width `job`'s next prompt piece runs in (pieces are cut on the largest chunk's
+        grid)."""
+        n = self._piece_end(job) - job.pos
+        return next(c for c in self.config.prefill_chunks if c >= n)
+
+    def _piece_end(self, job: Job) -> int:
+        return min(len(job.fill), (job.pos // self.config.chunk + 1) * self.config.chunk)
+
+    def prefill(self, jobs: list[Job]) -> dict[int, int | None]:
+        """Runs the next prompt piece of each of `jobs` (distinct slots whose pieces take the same chunk width; a
+        power-of-two count from `config.prefill_batches`) in one call. Returns slot -> the token sampled after the
+        prompt's last piece, or None while the prompt goes on.
+
+        A failure of a call that ran one job is that job's (`Job.Failed`); of a call that ran several,
+        `PrefillBatchFailed` (the scheduler runs them alone after it, so that the one at fault fails alone)."""
+        size = self.chunk_size(jobs[0])
+        p = len(jobs)
+        tokens = np.zeros((p, size), np.int32)
+        n_valid, following = np.zeros(p, np.int32), np.full(p, -1, np.int32)
+        ends = [self._piece_end(job) for job in jobs]
         try:
-            tokens[0, :n] = fill[job.pos : end]
-            rows, ctx = self.model.ple_inputs(job.ple_ctx, tokens, np.array([n]))
-            following = fill[end] if end < len(fill) else -1
-            out = self.runner.prefill(job.slot, tokens, n, following, rows, job.sampling)
-        except Exception as e:  # this step ran this job alone: the failure is its own
-            raise Job.Failed(job, e) from e
+            sampling = self._sampling(jobs, rows=p)
+            for i, (job, end) in enumerate(zip(jobs, ends)):
+                n_valid[i] = end - job.pos
+                tokens[i, : n_valid[i]] = job.fill[job.pos : end]
+                following[i] = job.fill[end] if end < len(job.fill) else -1
+            contexts = [np.concatenate(parts) for parts in zip(*(job.ple_ctx for job in jobs))]
+            rows, ctx = self.model.ple_inputs(contexts, tokens, n_valid)
+            out = self.runner.prefill([job.slot for job in jobs], tokens, n_valid, following, rows, sampling)
+        except Job.Failed:
+            raise
+        except Exception as e:
+            if p == 1:  # this step ran this job alone: the failure is its own
+                raise Job.Failed(jobs[0], e) from e
+            raise PrefillBatchFailed(jobs, e) from e
         self.after_step("prefill", out.counts)
-        job.device_drafts = [int(t) for t in out.drafts]
-        job.pos, job.ple_ctx, job.consumed = end, ctx, end
-        self.counters["prefill_chunks"] += 1
-        return None if job.prefilling else out.token
+        result = {}
+        for i, (job, end) in enumerate(zip(jobs, ends)):
+            job.device_drafts = [int(t) for t in out.drafts[i]]
+            job.pos, job.consumed = end, end
+            job.ple_ctx = [c[i : i + 1] for c in ctx]
+            result[job.slot] = None if job.prefilling else int(out.tokens[i])
+        self.counters["prefill_chunks"] += p
+        self.counters["prefill_calls"] += 1
+        return result
 
     def decode(self, jobs: list[Job]) -> dict[int, int]:
         """One decode step for `jobs`; returns slot -> sampled token."""
@@ -178,14 +212,16 @@ class StepExecutor:
         if self._last_decode:
             self.max_stall = max(self.max_stall, time.monotonic() - self._last_decode)
 
-    def _sampling(self, jobs: list[Job]) -> tuple[np.ndarray, ...]:
-        s = self.config.slots
+    def _sampling(self, jobs: list[Job], rows: int | None = None) -> tuple[np.ndarray, ...]:
+        """Per-slot sampling arrays [S] (`rows` None), or per-job arrays [rows] in the order of `jobs`."""
+        s = self.config.slots if rows is None else rows
         # The step's own dtypes: a value one of them cannot hold fails its job here, not the shared step.
         temperature, top_k = np.zeros(s, np.float32), np.zeros(s, np.int32)
         top_p, seed = np.ones(s, np.float32), np.zeros(s, np.uint32)
-        for job in jobs:
+        for i, job in enumerate(jobs):
+            at = job.slot if rows is None else i
             try:
-                temperature[job.slot], top_k[job.slot], top_p[job.slot], seed[job.slot] = job.sampling
+                temperature[at], top_k[at], top_p[at], seed[at] = job.sampling
             except Exception as e:  # one job's values must not fail the step that runs everybody
                 raise Job.Failed(job, e) from e
         return (temperature, top_k, top_p, seed)

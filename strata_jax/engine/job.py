@@ -34,6 +34,7 @@ class Job:
     drafted: int = 0
     accepted: int = 0
     refilling: bool = False  # prefilling prompt + generated[:-1] again after the slot's state was lost
+    prefill_alone: bool = False  # a prefill call it shared failed: its pieces run one job per call from then on
 
     class Failed(Exception):
         """Something about this one job failed (its inputs, or a step that ran it alone): fail it alone."""

@@ -21,6 +21,8 @@ from flax import nnx
 
 from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT, EngineConfig
+from pallas_kernels.decode_attention import MAX_TOKENS as DECODE_MAX_TOKENS
+from pallas_kernels.prefill_attention import BLOCK_K as PREFILL_BLOCK_K
 from strata_jax.model.cache import cache_len_for, init_cache
 from strata_jax.model.decoder import CausalLM
 
@@ -43,8 +45,8 @@ _DENSE_PARTS = (
     "PLE projections",
     "MTP (dense part)",
 )
-_CACHE_PARTS = ("KV", "QSA index keys", "GDN conv state", "GDN recurrent state (fp32)", "PLE conv state", "MTP KV",
-                "slot lengths")
+_CACHE_PARTS = ("KV", "QSA index keys", "QSA block keys", "GDN conv state", "GDN recurrent state (fp32)",
+                "PLE conv state", "MTP KV", "slot lengths")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +269,8 @@ def _cache_parts(cfg: ModelConfig, slots: int, max_context: int, dtype, with_mtp
             part = "KV"
         elif last == "index_k":
             part = "QSA index keys"
+        elif last == "block_keys":
+            part = "QSA block keys"
         elif "ple" in names:
             part = "PLE conv state"
         elif last == "conv":
@@ -282,13 +286,16 @@ def _cache_parts(cfg: ModelConfig, slots: int, max_context: int, dtype, with_mtp
 def _workspace(cfg: ModelConfig, engine: EngineConfig, act_bytes: int, cache_bytes: int,
                recurrent_bytes: int) -> Workspace:
     """Peak transient bytes of the largest step, assuming XLA reuses buffers across layers (one layer's
-    intermediates live at a time) and the current model code: attention materialises float32 scores and
-    activation-dtype probabilities over the whole cache length for every query head (QSA only masks them);
-    logits are computed for every position of a prefill chunk (activation dtype, then float32); a prefill chunk
-    works on a copy of its slot's cache (`take_slot`); a verify step (drafting) keeps the pre-step recurrent and
-    conv state for the rollback plus the replay inputs of every GDN layer.
+    intermediates live at a time) and the current model code: decode and verify attention materialise float32
+    scores and activation-dtype probabilities over the whole cache length for every query head (QSA only masks
+    them), a prefill chunk's attention only over one key block at a time (pallas_kernels.prefill_attention); logits
+    are computed for every position of a decode or verify step and for each prompt's last position in a prefill
+    (activation dtype, then float32); a prefill call works on a copy of its slots' caches (`take_slots`); a verify
+    step (drafting) keeps the pre-step recurrent and conv state for the rollback plus the replay inputs of every
+    GDN layer.
 
-    Prefill: batch 1, `engine.chunk` tokens. Decode: every slot, 1 token (draft_k + 1 with a drafter). Terms
+    Prefill: `engine.prefill_batch` prompts (its largest compiled count) of `engine.chunk` tokens. Decode: every
+    slot, 1 token (draft_k + 1 with a drafter). Terms
     below a few MiB (norms, hyper-connection mixing) are covered by the float32 stream copies term. Packed experts
     run in the Pallas kernel (or the GPU XLA fallback's single fusion), so no unpacked weights are held; the CPU
     XLA fallback does materialise them (tokens x k x in x out float32 per projection) and is not planned for.
@@ -300,15 +307,17 @@ def _workspace(cfg: ModelConfig, engine: EngineConfig, act_bytes: int, cache_byt
     width = cfg.hidden_size * max(cfg.hc_count, 1)
     hv, dk, dv = cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
 
-    def step_terms(batch: int, t: int) -> list[tuple[str, int]]:
+    def step_terms(batch: int, t: int, prefill: bool = False) -> list[tuple[str, int]]:
         tokens = batch * t
+        keys = min(s, PREFILL_BLOCK_K) if prefill and t > DECODE_MAX_TOKENS else s  # keys scored at a time
         terms = []
         if n_attn:
-            terms.append(("attention scores + probs", cfg.num_heads * tokens * s * (4 + act_bytes)))
+            terms.append(("attention scores + probs", cfg.num_heads * tokens * keys * (4 + act_bytes)))
             if cfg.qsa:
                 blocks = s // cfg.indexer_compress_ratio
-                terms.append(("QSA masks + block scores", tokens * s * 2 + tokens * blocks * cfg.indexer_n_heads * 4))
-        terms.append(("logits", tokens * cfg.vocab_size * (act_bytes + 4)))
+                terms.append(("QSA masks + block scores",
+                              tokens * keys * 2 + tokens * blocks * (cfg.indexer_n_heads * 4 + 1)))
+        terms.append(("logits", (batch if prefill else tokens) * cfg.vocab_size * (act_bytes + 4)))
         if n_gdn:  # chunked delta rule: ~8 float32 [T, Hv, Dk|Dv] tensors and the [T, Hv, 64] decay/intra blocks
             terms.append(("GDN chunk intermediates", tokens * hv * (8 * (dk + dv) + 4 * 64) * 4))
         moe = tokens * cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + cfg.hidden_size) * 4
@@ -316,8 +325,8 @@ def _workspace(cfg: ModelConfig, engine: EngineConfig, act_bytes: int, cache_byt
         terms.append(("float32 stream copies", 16 * tokens * width * 4))
         return terms
 
-    chunk = engine.chunk
-    prefill = step_terms(1, chunk) + [("slot cache copy", cache_bytes // engine.slots)]
+    chunk, prompts = engine.chunk, max(engine.prefill_batches)
+    prefill = step_terms(prompts, chunk, prefill=True) + [("slot cache copy", prompts * cache_bytes // engine.slots)]
     draft = getattr(engine, "draft", "none")  # drafting arrives with the speculation issue
     t = getattr(engine, "draft_k", 0) + 1 if draft != "none" else 1
     decode = step_terms(engine.slots, t)
@@ -327,7 +336,8 @@ def _workspace(cfg: ModelConfig, engine: EngineConfig, act_bytes: int, cache_byt
         decode += [("rollback state copy", recurrent_bytes), ("GDN replay inputs", n_gdn * replay)]
     p_total, d_total = sum(b for _, b in prefill), sum(b for _, b in decode)
     if p_total >= d_total:
-        return Workspace(f"prefill chunk of {chunk} tokens at {engine.max_context} ctx", tuple(prefill))
+        what = f"{prompts} prefill chunks" if prompts > 1 else "prefill chunk"
+        return Workspace(f"{what} of {chunk} tokens at {engine.max_context} ctx", tuple(prefill))
     what = f"verify of {t} tokens" if t > 1 else "decode"
     return Workspace(f"{what} x {_slots(engine.slots)} at {engine.max_context} ctx", tuple(decode))
 
@@ -549,6 +559,67 @@ def choose_context(
     n = largest(1, floor // step - 1, lambda k: plan(k * step).fits)
     return ContextChoice(n * step, "plan", f"plan: the largest that fits; {floor} does not (fewer --slots leave "
                                            "room for more: coding agents send tens of thousands of tokens)")
+
+
+# serve's prefill shapes when not given (the largest chunk, prompts per call), best first. H200, 20,000-token prompt
+# (docs/PERF.md, "Prefill at agent-sized prompts", 2026-12-01): 4,096-token chunks 4.14 s against 6.07 s for 2,048;
+# 4 users' 20,000-token prompts prefilled 4 at a time: TTFT p95 9.66 s against 12.71 one at a time.
+GPU_PREFILL_CHOICES = ((4096, 4), (2048, 4), (2048, 1))
+CPU_PREFILL = ((32, 256), 1)  # 2,048-token chunks hung XLA:CPU now and then (README, "Reliability")
+SMALL_CHUNKS = (32, 256)  # short prompts and a long prompt's remainder
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChoice:
+    """serve's prefill shapes: chunk sizes, the most prompts per prefill call, and why (for the start-up log)."""
+
+    chunks: tuple[int, ...]
+    batch: int
+    reason: str
+
+
+def choose_prefill(
+    requested_chunks: tuple[int, ...] | None,
+    requested_batch: int | None,
+    cfg: ModelConfig,
+    quant: ExpertQuantization | None,
+    engine: EngineConfig,
+    *,
+    weights_dtype: str = "bfloat16",
+    with_mtp: bool = False,
+    vram_reserve_mib: int = DEFAULT_RESERVE_MIB,
+    vram_budget_mib: int | None = None,
+    device: DeviceMemory | None = None,
+) -> PrefillChoice:
+    """`serve`'s prefill chunks and prompts per call where the flags do not give them: without device memory to plan
+    with (a CPU), CPU_PREFILL; else the first of GPU_PREFILL_CHOICES whose workspace leaves the device expert pool
+    as large as the smallest choice leaves it (a bigger chunk must not move experts to the host, which would slow
+    every decode step) at `engine`'s slots and context."""
+    if requested_chunks is not None and requested_batch is not None:
+        return PrefillChoice(tuple(requested_chunks), requested_batch, "flags")
+    if device is None and vram_budget_mib is None:
+        chunks, batch = CPU_PREFILL
+        return PrefillChoice(tuple(requested_chunks or chunks), requested_batch or batch,
+                             "default without device memory statistics (CPU)")
+
+    def plan(chunk: int, batch: int) -> MemoryPlan:
+        chunks = requested_chunks or SMALL_CHUNKS + (chunk,)
+        shaped = dataclasses.replace(engine, prefill_chunks=chunks, prefill_batch=requested_batch or batch)
+        return make_plan(cfg, quant, shaped, weights_dtype=weights_dtype, with_mtp=with_mtp,
+                         vram_reserve_mib=vram_reserve_mib, vram_budget_mib=vram_budget_mib, device=device,
+                         suggest=False)
+
+    base = plan(*GPU_PREFILL_CHOICES[-1])
+    for chunk, batch in GPU_PREFILL_CHOICES:
+        p = plan(chunk, batch)
+        if p.fits and p.gpu_experts >= base.gpu_experts:
+            chosen = requested_chunks or SMALL_CHUNKS + (chunk,)
+            return PrefillChoice(tuple(chosen), requested_batch or batch,
+                                 f"plan: the largest whose workspace ({_gib(p.workspace.bytes)}) keeps the device "
+                                 "expert pool")
+    chunk, batch = GPU_PREFILL_CHOICES[-1]
+    return PrefillChoice(tuple(requested_chunks or SMALL_CHUNKS + (chunk,)), requested_batch or batch,
+                         "plan: the smallest (nothing fits; see the plan)")
 
 
 def allocator_env(plan: MemoryPlan) -> dict[str, str]:

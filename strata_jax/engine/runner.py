@@ -69,10 +69,11 @@ class RunnerModel:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillOutput:
-    """One prompt chunk's result: the token sampled after its last real position (meaningful after the prompt's
-    last chunk), MTP drafts following it [mtp_k], and the step's routing counts (device arrays)."""
+    """A prefill call's result for its P slots: the token sampled after each chunk's last real position [P]
+    (meaningful after a prompt's last chunk), MTP drafts following it [P, mtp_k], and the step's routing counts
+    (device arrays)."""
 
-    token: int
+    tokens: np.ndarray
     drafts: np.ndarray
     counts: nnx.State
 
@@ -87,6 +88,13 @@ class StepOutput:
     drafts: np.ndarray | None
     counts: nnx.State
     accepted: np.ndarray | None = None
+
+
+def _step_name(name: str, width: int, batch: int) -> str:
+    """How warm-up names a compiled step: decode, verify[5], prefill[2048], prefill[2048x4] (4 prompts at once)."""
+    if name == "decode":
+        return name
+    return f"{name}[{width}x{batch}]" if name == "prefill" and batch > 1 else f"{name}[{width}]"
 
 
 class ModelRunner:
@@ -112,7 +120,7 @@ class ModelRunner:
         self._slot_kv_bytes = _kv_bytes(self.cache) // config.slots
         self._jitted = {name: jit_step(step, model.graphdef, model.state, self.mtp_k) for name, step in STEPS.items()}
         self._weight_leaves: list[jax.Array] | None = None
-        self._compiled: dict[tuple[str, int], object] = {}
+        self._compiled: dict[tuple[str, int, int], object] = {}  # (step, window, batch) -> executable
         self._reset = jax.jit(reset_slot, donate_argnums=(0,))
         self._read = jax.jit(take_slot)
         self._read_prefix = jax.jit(take_slot_prefix, static_argnums=(2,))
@@ -132,38 +140,41 @@ class ModelRunner:
         self._weight_leaves = None
 
     # -- steps ---------------------------------------------------------------------------------------------------
-    def _run(self, name: str, width: int, args: tuple) -> tuple:
-        """Runs step `name` (window `width`) on the executable warm-up compiled, else through jit; keeps the new
-        cache and returns the other outputs."""
-        fn = self._compiled.get((name, width)) or self._jitted[name]
+    def _run(self, name: str, width: int, batch: int, args: tuple) -> tuple:
+        """Runs step `name` (window `width`, `batch` rows) on the executable warm-up compiled, else through jit;
+        keeps the new cache and returns the other outputs."""
+        fn = self._compiled.get((name, width, batch)) or self._jitted[name]
         *out, self.cache, counts = fn(self._weights(), self.cache, *args)
         return (*out, counts)
 
-    def prefill(self, slot: int, tokens: np.ndarray, n_valid: int, next_token: int, rows: Sequence[np.ndarray],
-                sampling: tuple[float, int, float, int]) -> PrefillOutput:
-        """Runs one prompt chunk (tokens [1, C]) of `slot`. `next_token`: the prompt token after the chunk, or -1.
-        `sampling`: the request's (temperature, top_k, top_p, seed)."""
-        args = prefill_args(slot, tokens, n_valid, next_token, sampling, rows, self.model.dtype)
-        token, drafts, counts = self._run("prefill", tokens.shape[1], args)
-        return PrefillOutput(int(token), np.asarray(drafts), counts)
+    def prefill(self, slots: Sequence[int], tokens: np.ndarray, n_valid: Sequence[int], next_tokens: Sequence[int],
+                rows: Sequence[np.ndarray], sampling: Sampling) -> PrefillOutput:
+        """Runs one prompt chunk for each of the distinct `slots` [P] at once (tokens [P, C], `n_valid` real ones
+        per row). `next_tokens`: each prompt's token after its chunk, or -1. `sampling`: per-row arrays
+        (temperature, top_k, top_p, seed), each [P]."""
+        args = prefill_args(slots, tokens, n_valid, next_tokens, sampling, rows, self.model.dtype)
+        out, drafts, counts = self._run("prefill", tokens.shape[1], tokens.shape[0], args)
+        return PrefillOutput(np.asarray(out), np.asarray(drafts), counts)
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, rows: Sequence[np.ndarray],
                sampling: Sampling) -> StepOutput:
         """One token for every slot (tokens/active [S], sampling arrays [S]); results on the host."""
-        out, drafts, counts = self._run("decode", 1, decode_args(tokens, active, sampling, rows, self.model.dtype))
+        args = decode_args(tokens, active, sampling, rows, self.model.dtype)
+        out, drafts, counts = self._run("decode", 1, self.config.slots, args)
         return StepOutput(np.asarray(out), np.asarray(drafts), counts)
 
     def decode_on_device(self, tokens, active: np.ndarray, sampling: Sampling) -> StepOutput:
         """`decode` for a model without PLE that leaves its tokens on the device: `tokens` [S] may be the device
         array a previous call returned. Nothing is synced; the output's drafts are None."""
-        out, _, counts = self._run("decode", 1, decode_args(tokens, active, sampling, (), self.model.dtype))
+        out, _, counts = self._run("decode", 1, self.config.slots, decode_args(tokens, active, sampling, (),
+                                                                                self.model.dtype))
         return StepOutput(out, None, counts)
 
     def verify(self, tokens: np.ndarray, n_valid: np.ndarray, rows: Sequence[np.ndarray],
                sampling: Sampling) -> StepOutput:
         """Checks every slot's drafts (tokens [S, k+1], n_valid [S]); results on the host."""
         args = verify_args(tokens, n_valid, sampling, rows, self.model.dtype)
-        n_acc, out, drafts, counts = self._run("verify", tokens.shape[1], args)
+        n_acc, out, drafts, counts = self._run("verify", tokens.shape[1], self.config.slots, args)
         return StepOutput(np.asarray(out), np.asarray(drafts), counts, accepted=np.asarray(n_acc))
 
     # -- slots ---------------------------------------------------------------------------------------------------
@@ -203,20 +214,21 @@ class ModelRunner:
         self.cache = self._write(self.cache, jnp.int32(slot), sub)
 
     # -- compilation ---------------------------------------------------------------------------------------------
-    def _warm_up_jobs(self) -> list[tuple[str, int, tuple]]:
-        """(step, window, dummy arguments) for every shape traffic will use."""
+    def _warm_up_jobs(self) -> list[tuple[str, int, int, tuple]]:
+        """(step, window, batch, dummy arguments) for every shape traffic will use."""
         s, dtype = self.config.slots, self.model.dtype
         rows = lambda b, t: tuple(np.zeros((b, t, d), np.float32) for d in self.ple_dims)  # noqa: E731
         jobs = [
-            ("prefill", c, prefill_args(0, np.zeros((1, c), np.int32), 1, -1, (0.0, 0, 1.0, 0), rows(1, c), dtype))
-            for c in self.config.prefill_chunks
+            ("prefill", c, p, prefill_args(np.arange(p), np.zeros((p, c), np.int32), np.ones(p, np.int32),
+                                           np.full(p, -1), greedy_sampling(p), rows(p, c), dtype))
+            for c in self.config.prefill_chunks for p in self.config.prefill_batches
         ]
-        jobs.append(("decode", 1, decode_args(np.zeros(s, np.int32), np.zeros(s, bool), greedy_sampling(s),
-                                              rows(s, 1), dtype)))
+        jobs.append(("decode", 1, s, decode_args(np.zeros(s, np.int32), np.zeros(s, bool), greedy_sampling(s),
+                                                 rows(s, 1), dtype)))
         if self.with_verify:
             w = self.config.draft_k + 1
-            jobs.append(("verify", w, verify_args(np.zeros((s, w), np.int32), np.zeros(s, np.int32),
-                                                  greedy_sampling(s), rows(s, w), dtype)))
+            jobs.append(("verify", w, s, verify_args(np.zeros((s, w), np.int32), np.zeros(s, np.int32),
+                                                     greedy_sampling(s), rows(s, w), dtype)))
         return jobs
 
     def warm_up(self, after_step: Callable[[str, nnx.State], None] | None = None) -> float:
@@ -225,20 +237,21 @@ class ModelRunner:
         the owner sees every step's. Returns the seconds it took; prints progress."""
         started = time.monotonic()
         jobs = self._warm_up_jobs()
-        names = ", ".join(name if name == "decode" else f"{name}[{w}]" for name, w, _ in jobs)
+        names = ", ".join(_step_name(name, w, b) for name, w, b, _ in jobs)
         print(f"warm-up: compiling {len(jobs)} step functions in parallel ({names}) ...", file=sys.stderr, flush=True)
 
         def compile_one(job):
-            name, width, args = job
+            name, width, batch, args = job
             t0 = time.monotonic()
             compiled = self._jitted[name].lower(self._weights(), self.cache, *args).compile()
-            print(f"warm-up: {name}[{width}] compiled in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
-            return (name, width), compiled
+            print(f"warm-up: {_step_name(name, width, batch)} compiled in {time.monotonic() - t0:.1f}s",
+                  file=sys.stderr, flush=True)
+            return (name, width, batch), compiled
 
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             self._compiled.update(pool.map(compile_one, jobs))
-        for name, width, args in jobs:
-            counts = self._run(name, width, args)[-1]
+        for name, width, batch, args in jobs:
+            counts = self._run(name, width, batch, args)[-1]
             if after_step is not None:
                 after_step(name, counts)
         self.write(0, self.read(0))
@@ -246,7 +259,8 @@ class ModelRunner:
         while length < self.cache.max_len:  # the prefix reads of snapshots: compiled now, not mid-traffic
             self.read(0, length)
             length *= 2
-        self.reset(0)
+        for slot in range(max(self.config.prefill_batches)):
+            self.reset(slot)
         jax.block_until_ready(self.cache)
         elapsed = time.monotonic() - started
         print(f"warm-up: {len(jobs) + 3} step functions ready in {elapsed:.1f}s", file=sys.stderr, flush=True)

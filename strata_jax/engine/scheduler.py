@@ -19,7 +19,7 @@ import numpy as np
 
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.drafters import DraftRequest, Drafter
-from strata_jax.engine.executor import StepExecutor
+from strata_jax.engine.executor import PrefillBatchFailed, StepExecutor
 from strata_jax.engine.job import Job
 from strata_jax.engine.output import OutputProcessor, RequestStream
 from strata_jax.engine.placement import ExpertPlacement
@@ -125,7 +125,8 @@ class Scheduler:
                 "slots_total": self.config.slots,
                 "queue_length": len(self._queue),
                 "decode_steps_total": self.counters["decode_steps"],
-                "prefill_chunks_total": self.counters["prefill_chunks"],
+                "prefill_chunks_total": self.counters["prefill_chunks"],  # prompt pieces prefilled
+                "prefill_calls_total": self.counters["prefill_calls"],  # steps that ran them (several per call)
                 "cancelled_total": self.counters["cancelled"],
                 "refilled_slots_total": self.counters["refilled"],  # slots refilled after another's failed step
                 "draft_tokens_total": self.counters["drafted"],
@@ -155,6 +156,12 @@ class Scheduler:
             except Job.Failed as e:  # one request's inputs, or a step that ran it alone: it fails alone
                 log.warning("request %s failed: %s", e.job.request.request_id, e)
                 self._fail_job(e.job, f"request failed: {e}")
+            except PrefillBatchFailed as e:  # one of these prompts is at fault: run each alone to find it
+                log.warning("a prefill of %d prompts failed (%s): they go on one per call", len(e.jobs), e)
+                for job in e.jobs:
+                    job.prefill_alone = True
+                if self.executor.state_lost():
+                    self._lose_state()
             except Exception as e:  # a failed shared step must not take the other users down with the thread
                 log.exception("engine step failed")
                 self._fail_all(f"engine error: {e}")
@@ -194,7 +201,7 @@ class Scheduler:
         self._admit()
         prefilling = sorted((j for j in self._slots if j is not None and j.prefilling), key=lambda j: j.admitted)
         if prefilling:
-            self._prefill(prefilling[0])
+            self._prefill(self._prefill_group(prefilling))
         decoding = [j for j in self._slots if j is not None and not j.prefilling]
         if decoding and self._may_overlap():
             landed = self.executor.launch(decoding)
@@ -264,18 +271,31 @@ class Scheduler:
         )
 
     # -- steps and their results ---------------------------------------------------------------------------------
-    def _prefill(self, job: Job) -> None:
-        token = self.executor.prefill(job)
-        if job.pos % self.config.snapshot_every == 0 and self._keeps(job.pos):
-            self.prefix_cache.insert(job.fill[: job.pos], self.runner.read(job.slot, job.pos))
-        if token is not None and job.refilling:  # a refill after lost state: its next token is known already
-            job.refilling = False
-        elif token is not None:
-            job.first_token = time.monotonic()
-            self._log_first_token(job)
-            self._accept(job, [token])
-        if token is None:
-            self._log_progress(job)
+    def _prefill_group(self, prefilling: list[Job]) -> list[Job]:
+        """The jobs whose next prompt pieces run in this iteration's prefill call: the longest-waiting one, and
+        with it (up to `prefill_batch`, in a compiled power-of-two count) others whose pieces take the same chunk
+        width, longest-waiting first."""
+        first = prefilling[0]
+        if self.config.prefill_batch == 1 or first.prefill_alone:
+            return [first]
+        width = self.executor.chunk_size(first)
+        group = [first] + [j for j in prefilling[1:] if not j.prefill_alone and self.executor.chunk_size(j) == width]
+        return group[: max(b for b in self.config.prefill_batches if b <= len(group))]
+
+    def _prefill(self, jobs: list[Job]) -> None:
+        tokens = self.executor.prefill(jobs)
+        for job in jobs:
+            token = tokens[job.slot]
+            if job.pos % self.config.snapshot_every == 0 and self._keeps(job.pos):
+                self.prefix_cache.insert(job.fill[: job.pos], self.runner.read(job.slot, job.pos))
+            if token is not None and job.refilling:  # a refill after lost state: its next token is known already
+                job.refilling = False
+            elif token is not None:
+                job.first_token = time.monotonic()
+                self._log_first_token(job)
+                self._accept(job, [token])
+            if token is None:
+                self._log_progress(job)
 
     def _long(self, job: Job) -> bool:
         return len(job.fill) >= self.config.progress_min_tokens and log.isEnabledFor(logging.INFO)

@@ -1,8 +1,8 @@
 """The engine's step functions: pure, fixed-shape functions of (model, slot cache, inputs) that the model runner
 jits with the cache donated, and the public pieces benchmarks build the same compiled steps from.
 
-- `prefill_step`: one chunk of one slot's prompt (batch 1, chunk size C; the last chunk is masked by `n_valid`),
-  sampling the next token from the last real position;
+- `prefill_step`: one chunk of the prompts of P slots at once (batch P, chunk size C; a prompt's last chunk is
+  masked by `n_valid`), sampling each row's next token from its last real position;
 - `decode_step`: one token for every slot at once, inactive slots masked (their state does not move);
 - `verify_step`: one speculative window for every slot (last token + drafts), rolled back to what was accepted;
 - `reset_slot` / `take_slot` / `put_slot`: a slot's state, for new requests and prefix-cache snapshots.
@@ -36,6 +36,23 @@ Sampling = tuple
 def take_slot(cache: ModelCache, slot: jax.Array) -> ModelCache:
     """One slot's state (batch dimension 1)."""
     return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
+
+
+def take_slots(cache: ModelCache, slots: jax.Array) -> ModelCache:
+    """The states of `slots` [P] (distinct), stacked in that order (batch dimension P)."""
+    if slots.shape[0] == 1:
+        return take_slot(cache, slots[0])
+    return jax.tree_util.tree_map(
+        lambda x: jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, slots[p], 1, axis=0)
+                                   for p in range(slots.shape[0])], axis=0), cache)
+
+
+def put_slots(cache: ModelCache, slots: jax.Array, sub: ModelCache) -> ModelCache:
+    """`cache` with slots `slots` [P] (distinct) replaced by the P rows of `sub`."""
+    for p in range(slots.shape[0]):
+        row = jax.tree_util.tree_map(lambda y, p=p: jax.lax.slice_in_dim(y, p, p + 1, axis=0), sub)
+        cache = put_slot(cache, slots[p], row)
+    return cache
 
 
 def take_slot_prefix(cache: ModelCache, slot: jax.Array, length: int) -> ModelCache:
@@ -73,25 +90,30 @@ def _no_drafts(batch: int) -> jax.Array:
     return jnp.zeros((batch, 0), jnp.int32)
 
 
-def prefill_step(mtp_k, graphdef, state, cache, slot, tokens, n_valid, next_token, rows, temperature, top_k, top_p,
-                 seed):
-    """One prompt chunk (tokens [1, C], `n_valid` [1] real ones) of slot `slot`.
+def prefill_step(mtp_k, graphdef, state, cache, slots, tokens, n_valid, next_token, rows, temperature, top_k,
+                 top_p, seed):
+    """One prompt chunk for each of P distinct slots `slots` [P] at once: tokens [P, C], of which row p's first
+    `n_valid[p]` are real (a row with none leaves its slot as it was).
 
-    `next_token` [1] is the prompt token after the chunk (-1 after the last chunk: then the sampled token follows).
-    With MTP drafting (mtp_k > 0) the chunk's pairs enter the MTP cache and the returned drafts guess the tokens
-    after the sampled one. Returns (token [], drafts [mtp_k], cache, routing counts)."""
+    `next_token` [P] is each prompt's token after its chunk (-1 after the last chunk: then the sampled token
+    follows). Sampling parameters are per row ([P]). With MTP drafting (mtp_k > 0) the chunk's pairs enter the MTP
+    cache and the returned drafts guess the tokens after the sampled one. Logits are computed for each row's last
+    real position only: the whole chunk's would cost C x vocabulary x hidden flops and C x vocabulary floats.
+    Returns (tokens [P], drafts [P, mtp_k], cache, routing counts)."""
     model = nnx.merge(graphdef, state)
-    sub = take_slot(cache, slot)
-    logits, hidden, sub = model(tokens, sub, n_valid, rows)
-    last = jax.lax.dynamic_index_in_dim(logits[0], n_valid[0] - 1, axis=0, keepdims=True)
-    token = sample(last, temperature, top_k, top_p, seed, sub.lengths)
-    drafts = _no_drafts(1)
+    sub = take_slots(cache, slots)
+    hidden, sub = model.model(tokens, sub, n_valid, rows)
+    last = jnp.maximum(n_valid - 1, 0)[:, None, None]
+    logits = model.logits(jnp.take_along_axis(hidden, last, axis=1))[:, 0]  # [P, V]
+    token = sample(logits, temperature, top_k, top_p, seed, sub.lengths)
+    drafts = _no_drafts(tokens.shape[0])
     if mtp_k:
-        follow = jnp.where(next_token[0] >= 0, next_token[0], token[0])
-        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((1, 1), tokens.dtype)], axis=1)
-        nxt = jnp.where(jnp.arange(tokens.shape[1])[None] == n_valid[0] - 1, follow, shifted)
+        follow = jnp.where(next_token >= 0, next_token, token)  # [P]
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+        at_last = jnp.arange(tokens.shape[1])[None] == (n_valid - 1)[:, None]
+        nxt = jnp.where(at_last, follow[:, None], shifted)
         drafts, sub = model.mtp_drafts(hidden, nxt, sub, n_valid, mtp_k)
-    return token[0], drafts[0], put_slot(cache, slot, sub), nnx.state(model, RoutingCounts)
+    return token, drafts, put_slots(cache, slots, sub), nnx.state(model, RoutingCounts)
 
 
 def decode_step(mtp_k, graphdef, state, cache, tokens, active, rows, temperature, top_k, top_p, seed):
@@ -163,12 +185,11 @@ def _sampling(sampling: Sampling) -> tuple[jax.Array, ...]:
             jnp.asarray(seed, jnp.uint32))
 
 
-def prefill_args(slot: int, tokens, n_valid: int, next_token: int, sampling: Sampling, rows=(),
-                 row_dtype=jnp.float32) -> tuple:
-    """`prefill_step`'s inputs after the cache: one chunk tokens [1, C] of `slot`, one request's scalar sampling
-    parameters, its PLE rows (one array [1, C, D] per PLE layer)."""
-    return (jnp.int32(slot), jnp.asarray(tokens, jnp.int32), jnp.asarray([n_valid], jnp.int32),
-            jnp.asarray([next_token], jnp.int32), _rows(rows, row_dtype), *_sampling(tuple([x] for x in sampling)))
+def prefill_args(slots, tokens, n_valid, next_token, sampling: Sampling, rows=(), row_dtype=jnp.float32) -> tuple:
+    """`prefill_step`'s inputs after the cache: chunks tokens [P, C] of slots [P], their real lengths and following
+    tokens [P], per-row sampling arrays [P], PLE rows (one array [P, C, D] per PLE layer)."""
+    return (jnp.asarray(slots, jnp.int32), jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32),
+            jnp.asarray(next_token, jnp.int32), _rows(rows, row_dtype), *_sampling(sampling))
 
 
 def decode_args(tokens, active, sampling: Sampling, rows=(), row_dtype=jnp.float32) -> tuple:

@@ -78,10 +78,50 @@ class QSAIndexer(nnx.Module):
         self.q_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.k_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
 
+    def pool_blocks(self, keys: jax.Array, first_block: jax.Array) -> jax.Array:
+        """Block keys [B, W, d] from raw index keys [B, W * compress_ratio, d] of blocks first_block[b] .. + W - 1:
+        each block's mean key, k_layernorm, RoPE at the block's first position (in the keys' dtype)."""
+        cfg = self.cfg
+        bsz, n, d = keys.shape
+        c = cfg.indexer_compress_ratio
+        w = n // c
+        pooled = jnp.mean(keys.reshape(bsz, w, c, d).astype(jnp.float32), axis=2).astype(keys.dtype)
+        pooled = self.k_layernorm(pooled)
+        bcos, bsin = rope_cos_sin((first_block[:, None] + jnp.arange(w)) * c, cfg.rotary_dim, cfg.rope_theta)
+        return apply_rope(pooled[:, :, None, :], bcos, bsin)[:, :, 0, :]
+
+    def update_block_keys(
+        self, index_k: jax.Array, block_keys: jax.Array, start: jax.Array, n_valid: jax.Array, t: int
+    ) -> jax.Array:
+        """`block_keys` [B, NB, d] with the blocks that a step's real tokens (n_valid[b] from start[b], index keys
+        already in `index_k`) complete pooled anew; the others are left as they were.
+
+        A step of t tokens completes at most (t + c - 1) // c blocks, all from start // c on: that window is read
+        from `index_k` whatever the cache length. A block the step leaves incomplete is not written, so a block is
+        always pooled from all of its keys, by the step that writes its last one (again if a rollback or a shorter
+        length makes it incomplete and later tokens complete it)."""
+        c = self.cfg.indexer_compress_ratio
+        bsz, nb = block_keys.shape[:2]
+        w = min((t + c - 1) // c, nb)
+        first = jnp.minimum(start // c, nb - w)  # near the end the window is moved back to fit the cache
+        rows = jnp.arange(bsz)[:, None]
+        new = self.pool_blocks(index_k[rows, first[:, None] * c + jnp.arange(w * c)], first)
+        bid = first[:, None] + jnp.arange(w)
+        done = (bid >= (start // c)[:, None]) & ((bid + 1) * c <= (start + n_valid)[:, None])
+        return block_keys.at[rows, jnp.where(done, bid, nb)].set(new.astype(block_keys.dtype), mode="drop")
+
     def __call__(
-        self, x: jax.Array, positions: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        """Returns the block selection `chosen` [B, T, S // compress_ratio] and the updated raw index keys.
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        n_valid: jax.Array,
+        index_k: jax.Array,
+        block_keys: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Returns the block selection `chosen` [B, T, S // compress_ratio], the updated raw index keys and the
+        updated block keys (`update_block_keys`).
 
         `chosen` marks, per token, the complete blocks (those below (position + 1) // compress_ratio) it sees; the
         incomplete tail block is always seen up to the token's own position (the causal mask bounds it).
@@ -93,13 +133,9 @@ class QSAIndexer(nnx.Module):
         q = qk[..., : cfg.indexer_n_heads * d].reshape(bsz, t, cfg.indexer_n_heads, d)
         q = apply_rope(self.q_layernorm(q), cos, sin)
         index_k = _write(index_k, qk[..., cfg.indexer_n_heads * d :], positions)
-        s = index_k.shape[1]
-        n_blocks = s // c
-        pooled = jnp.mean(index_k.reshape(bsz, n_blocks, c, d).astype(jnp.float32), axis=2).astype(index_k.dtype)
-        pooled = self.k_layernorm(pooled)
-        bcos, bsin = rope_cos_sin(jnp.arange(n_blocks) * c, cfg.rotary_dim, cfg.rope_theta)
-        block_keys = apply_rope(pooled[:, :, None, :], bcos, bsin)[:, :, 0, :]
-        q, block_keys = q.astype(jnp.float32), block_keys.astype(jnp.float32)
+        block_keys = self.update_block_keys(index_k, block_keys, positions[:, 0], n_valid, t)
+        n_blocks = block_keys.shape[1]
+        q, keys = q.astype(jnp.float32), block_keys.astype(jnp.float32)
         n_complete = (positions + 1) // c  # [B, T]
         complete = jnp.arange(n_blocks)[None, None, :] < n_complete[..., None]
         top = cfg.indexer_budget // c
@@ -107,15 +143,15 @@ class QSAIndexer(nnx.Module):
             chosen = complete
         elif t > MAX_TOKENS:
             # The selection has no gradient; stopping it keeps the loop (no transpose) out of reverse mode.
-            chosen = _top_blocks_filled(jax.lax.stop_gradient(q), jax.lax.stop_gradient(block_keys), n_complete, top)
+            chosen = _top_blocks_filled(jax.lax.stop_gradient(q), jax.lax.stop_gradient(keys), n_complete, top)
         else:
-            masked = jnp.where(complete, _block_scores(q, block_keys), -jnp.inf)
+            masked = jnp.where(complete, _block_scores(q, keys), -jnp.inf)
             _, best = jax.lax.top_k(masked, top)
             chosen = jnp.zeros(masked.shape, bool).at[
                 jnp.arange(bsz)[:, None, None], jnp.arange(t)[None, :, None], best
             ].set(True)
             chosen = chosen & complete
-        return chosen, index_k
+        return chosen, index_k, block_keys
 
 
 class Attention(nnx.Module):
@@ -134,8 +170,10 @@ class Attention(nnx.Module):
             self.indexer = QSAIndexer(cfg, dtype)
 
     def __call__(
-        self, x: jax.Array, cache: AttentionCache, start: jax.Array
+        self, x: jax.Array, cache: AttentionCache, start: jax.Array, n_valid: jax.Array
     ) -> tuple[jax.Array, AttentionCache]:
+        """x [B, T, H] whose row b's first n_valid[b] tokens are real, at positions from start[b] -> output and the
+        advanced cache."""
         cfg = self.cfg
         bsz, t, _ = x.shape
         d, kvh = cfg.head_dim, cfg.num_kv_heads
@@ -152,9 +190,9 @@ class Attention(nnx.Module):
         v_all = _write_kv(cache.v, v, positions)
         s = k_all.shape[2]
 
-        index_k, chosen = cache.index_k, None
+        index_k, block_keys, chosen = cache.index_k, cache.block_keys, None
         if cfg.qsa:
-            chosen, index_k = self.indexer(x, positions, index_k, cos, sin)
+            chosen, index_k, block_keys = self.indexer(x, positions, n_valid, index_k, block_keys, cos, sin)
         c = cfg.indexer_compress_ratio if cfg.qsa else 1
 
         q = q.reshape(bsz, t, kvh, group, d)
@@ -167,4 +205,4 @@ class Attention(nnx.Module):
             out = decode_attention(q, k_all, v_all, mask, jnp.minimum(start + t, s))
         out = out.reshape(bsz, t, -1)
         out = out * jax.nn.sigmoid(gate)
-        return self.o_proj(out), AttentionCache(k=k_all, v=v_all, index_k=index_k)
+        return self.o_proj(out), cache.replace(k=k_all, v=v_all, index_k=index_k, block_keys=block_keys)

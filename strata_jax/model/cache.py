@@ -1,6 +1,6 @@
 """Explicit, fixed-shape cache pytrees. Every array is [batch, ...]; steps take a cache and return a new one.
 
-- attention layers: K and V for `max_len` positions (+ the QSA indexer's raw keys);
+- attention layers: K and V for `max_len` positions (+ the QSA indexer's raw keys and its finished block keys);
 - Gated DeltaNet layers: the causal-conv tail (K-1 inputs) and the float32 recurrent state [Hv, Dk, Dv];
 - PLE layers: the tail of the dilated conv; the n-gram token context stays on the host (it is token ids).
 `lengths[b]` is how many tokens row b has consumed; positions of new tokens start there.
@@ -22,11 +22,30 @@ class AttentionCache:
     k: jax.Array  # [B, kv_heads, S, head_dim]
     v: jax.Array  # [B, kv_heads, S, head_dim]
     index_k: jax.Array | None  # [B, S, indexer_head_dim] raw (un-normalised) QSA keys
+    # [B, S // compress_ratio, indexer_head_dim]: each block's pooled, normalised and roped key, written by the step
+    # whose tokens complete the block. Blocks below length // compress_ratio always hold their keys' pool; the others
+    # may hold anything (zeros, or a block a rejected draft completed): they are never selected, and are rewritten
+    # when real tokens complete them.
+    block_keys: jax.Array | None = None
+    compress_ratio: int = struct.field(pytree_node=False, default=1)
 
     def map_positions(self, fn) -> "AttentionCache":
-        """Applies fn(array, position_axis) to every array (e.g. to cut or pad the positions)."""
+        """Applies fn(array, position_axis) to every array (e.g. to cut or pad the positions).
+
+        The block keys go through fn as a view with one row per position (block n's features spread over positions
+        n * c .. n * c + c - 1), so a cut to L positions keeps the L // c blocks that L positions complete and a pad
+        to S positions restores all S // c: snapshots and prefix reads carry the prefix's blocks only (whole, they
+        would add 48 MiB to each at flash-next's 65,536 positions). If indexer_head_dim is not a multiple of c
+        there is no such view and they are left whole (correct, only larger)."""
+        bk = self.block_keys
+        if bk is not None:
+            b, n, d = bk.shape
+            c = self.compress_ratio
+            if d % c == 0:
+                out = fn(bk.reshape(b, n * c, d // c), 1)
+                bk = out[:, : out.shape[1] // c * c].reshape(b, -1, d)
         return self.replace(k=fn(self.k, KV_POSITION_AXIS), v=fn(self.v, KV_POSITION_AXIS),
-                            index_k=None if self.index_k is None else fn(self.index_k, 1))
+                            index_k=None if self.index_k is None else fn(self.index_k, 1), block_keys=bk)
 
 
 KV_POSITION_AXIS = 2
@@ -87,8 +106,12 @@ def cache_len_for(cfg: ModelConfig, max_len: int) -> int:
 
 def _attention_cache(cfg: ModelConfig, batch: int, s: int, dtype: jnp.dtype) -> AttentionCache:
     shape = (batch, cfg.num_kv_heads, s, cfg.head_dim)
-    idx = jnp.zeros((batch, s, cfg.indexer_head_dim), dtype) if cfg.qsa else None
-    return AttentionCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index_k=idx)
+    if not cfg.qsa:
+        return AttentionCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index_k=None)
+    c = cfg.indexer_compress_ratio
+    return AttentionCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                          index_k=jnp.zeros((batch, s, cfg.indexer_head_dim), dtype),
+                          block_keys=jnp.zeros((batch, s // c, cfg.indexer_head_dim), dtype), compress_ratio=c)
 
 
 def _deltanet_cache(cfg: ModelConfig, batch: int, dtype: jnp.dtype) -> DeltaNetCache:

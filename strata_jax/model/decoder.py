@@ -53,7 +53,7 @@ class DecoderLayer(nnx.Module):
     def _mix(self, x, cache: LayerCache, start, n_valid, with_replay):
         if self.linear:
             return self.linear_attn(x, cache.mixer, n_valid, with_replay)
-        out, mixer_cache = self.self_attn(x, cache.mixer, start)
+        out, mixer_cache = self.self_attn(x, cache.mixer, start, n_valid)
         return out, mixer_cache, None
 
     def _mlp(self, x: jax.Array, real: jax.Array) -> jax.Array:
@@ -114,7 +114,9 @@ class LayerReplay:
 
 def rollback(before: ModelCache, after: ModelCache, replays: tuple[LayerReplay, ...], n_keep: jax.Array) -> ModelCache:
     """The cache as if, of the window a verify pass fed, only the first n_keep[b] tokens had been fed: attention
-    keeps its KV (entries past the length are masked), recurrent and conv state are rebuilt from the replay."""
+    keeps its KV (entries past the length are masked) and its QSA block keys (a block that a rejected token completed
+    is incomplete again, never selected, and pooled anew when real tokens complete it), recurrent and conv state are
+    rebuilt from the replay."""
     layers = []
     for b, a, r in zip(before.layers, after.layers, replays):
         mixer = replay_deltanet(b.mixer, r.mixer, n_keep) if r.mixer is not None else a.mixer

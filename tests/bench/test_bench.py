@@ -65,6 +65,8 @@ def test_users_mode_runs(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["users"], r["speculation"]) for r in rows] == [(2, "none"), (2, "ngram")]
     assert all(r["aggregate_tok_s"] > 0 and r["ttft_p95_s"] >= r["ttft_p50_s"] for r in rows)
+    # The seed system's figures beside ours are labelled as published ones, ours with the machine they came from.
+    assert all(r["seed_source"].startswith("Strata on an RTX 5090") and r["measured_on"] for r in rows)
 
 
 def test_profile_summary_by_component(tmp_path):

@@ -1,5 +1,5 @@
-"""The demo checkpoint ships inside the package: a wheel built from the tree holds it, and the installed package
-finds and loads it from outside any checkout."""
+"""The demo checkpoint and the web page ship inside the package: a wheel built from the tree holds them, and the
+installed package finds and loads the demo from outside any checkout."""
 
 import subprocess
 import sys
@@ -18,6 +18,10 @@ def test_wheel_carries_the_demo_and_serves_it_outside_a_checkout(tmp_path: Path)
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         assert {f"strata_jax/demo/{f}" for f in DEMO_FILES} <= names
+        # The web page served at `/` (package data of `server`).
+        web = {p.name for p in (ROOT / "server" / "web").iterdir() if p.suffix in (".html", ".js", ".css")}
+        assert {"index.html", "app.js", "markdown.js", "style.css"} <= web
+        assert {f"server/web/{f}" for f in web} <= names
         assert not any(n.startswith(("tools/", "tests/")) for n in names)
         z.extractall(tmp_path / "site")
     code = ("import strata_jax\n"

@@ -1,6 +1,6 @@
-"""`python -m strata_jax plan`: the table and CPU line for the Flash-Next preset, a refusal (exit 2), a converted
-directory read from its marker only. The runs start together to keep the test fast. (CPU without a budget is
-refused by make_plan: tests/test_planner.py.)"""
+"""`python -m strata_jax plan`: the table and CPU line for the Flash-Next preset, a refusal (exit 3, "does not
+fit"), a card named instead of a budget, a CPU without either (a usage error, exit 2, that says to name a card), a
+converted directory read from its marker only. The runs start together to keep the test fast."""
 
 import json
 import os
@@ -32,6 +32,8 @@ def runs(tmp_path_factory):
         "24g": _start("--preset", "flash-next-125b", "--slots", "4", "--ctx", "32768", "--vram-budget-mib", "24576",
                       "--pool-workers", "3"),
         "4g": _start("--preset", "flash-next-125b", "--vram-budget-mib", "4096"),
+        "card": _start("--preset", "flash-next-125b", "--card", "24gb", "--slots", "4", "--ctx", "32768"),
+        "no card": _start("--preset", "flash-next-125b"),
         "converted": _start("--model", str(converted), "--vram-budget-mib", "2048", "--slots", "2"),
     }
     out = {}
@@ -53,11 +55,25 @@ def test_preset_at_24_gib(runs):
     assert cpu_line.endswith(": 3 pool workers (--pool-workers)")
 
 
-def test_refusal_exits_2_naming_what_does_not_fit(runs):
+def test_refusal_exits_3_naming_what_does_not_fit(runs):
     rc, out, err = runs["4g"]
-    assert rc == 2
+    assert rc == 3
     assert "REFUSED: does not fit" in out
     assert err.startswith("error: does not fit") and "dense weights 9.15 GiB" in err and "larger card" in err
+
+
+def test_a_named_card_plans_on_a_cpu(runs):
+    rc, out, err = runs["card"]
+    assert rc == 0, err
+    assert "budget 23.99 GiB from --vram-budget-mib 24564" in out
+    assert "of 512 experts per MoE layer on the GPU" in out
+
+
+def test_a_cpu_without_a_card_is_a_usage_error_that_says_what_to_do(runs):
+    rc, out, err = runs["no card"]
+    assert rc == 2 and out == ""
+    assert err.startswith("error: this machine's backend reports no device memory (a CPU?): name the card")
+    assert "--card 24gb" in err and "141gb" in err
 
 
 def test_converted_directory_reads_its_marker_not_its_weights(runs):

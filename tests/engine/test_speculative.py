@@ -152,7 +152,7 @@ def test_mtp_drafting_is_exact_and_drafts_match_the_mtp_head(name):
 
     def spy(*args, **kwargs):
         out = real_prefill(*args, **kwargs)
-        seen.append((out.token, list(out.drafts)))
+        seen.append((int(out.tokens[0]), list(out.drafts[0])))
         return out
 
     eng._runner.prefill = spy

@@ -92,6 +92,8 @@ PALLAS_CONFIGS = {
     "grouped": pk.KernelConfig(schedule="grouped"),
     "grouped_mma2d": pk.KernelConfig(schedule="grouped", compute="mma2d", bkw2=2),
     "grouped_bm16_n16": pk.KernelConfig(schedule="grouped", bn1=16, bn2=16, bkw1=1),
+    "grouped_bm64": pk.KernelConfig(schedule="grouped", bm=64, bn1=64, bn2=64),
+    "prefill_default": op.DEFAULT_PREFILL,  # what default_config picks for prefill chunks (tiles fitted to shapes)
     "pairs_split_tf32": pk.KernelConfig(schedule="pairs", split_pairs=True, compute="mma_tf32"),
     "pairs_xor16": pk.KernelConfig(schedule="pairs", unpack="xor16"),
     "grouped_tf32": pk.KernelConfig(schedule="grouped", compute="mma_tf32"),
@@ -153,7 +155,8 @@ def test_intermediates_fully_written():
     np.testing.assert_array_equal(np.asarray(hs, np.float32)[inv], np.asarray(h, np.float32))
 
 
-@pytest.mark.parametrize("t,k,n_exp,bm", [(1, 10, 512, 16), (9, 3, 6, 16), (64, 10, 512, 16), (40, 4, 3, 8)])
+@pytest.mark.parametrize("t,k,n_exp,bm", [(1, 10, 512, 16), (9, 3, 6, 16), (64, 10, 512, 16), (40, 4, 3, 8),
+                                          (300, 10, 16, 64), (200, 4, 3, 128), (2048, 10, 512, 64)])
 def test_group_pairs_blocks(t, k, n_exp, bm):
     rng = np.random.default_rng(t)
     ids = rng.integers(0, n_exp, (t, k)).astype(np.int32)
@@ -175,6 +178,25 @@ def test_group_pairs_blocks(t, k, n_exp, bm):
         row_expert[pos : pos + n] = e
     np.testing.assert_array_equal(row_expert[inv], flat)
     np.testing.assert_array_equal(tok[inv], np.arange(p) // k)
+
+
+# Prefill-sized blocks (bm = 32-128 rows of one expert) at tiles that go with them; expert 3 is in every token (140
+# rows: several blocks of one expert, the last one partial, even at bm = 128), experts 2 and 4 in none.
+@pytest.mark.parametrize("bm,bn,bkw,unpack", [(32, 32, 4, "xor"), (64, 64, 2, "xor"), (64, 16, 4, "xor16"),
+                                               (128, 32, 4, "xor")])
+def test_grouped_prefill_blocks_match_float64(bm, bn, bkw, unpack):
+    x, ids, w, gu, dn = make_case(11, 128, 64, 5, 140, 2, 64, 1)
+    ids[:, 0] = 3
+    ids[:, 1] = np.where(np.arange(140) % 3 == 0, 0, 1)
+    ref = numpy_reference(x, ids, w, gu, dn)
+    cfg = pk.KernelConfig(schedule="grouped", bm=bm, bn1=bn, bn2=bn, bkw1=bkw, bkw2=bkw, unpack=unpack)
+    blk_e = np.asarray(op.group_pairs(jnp.asarray(ids), 5, bm)[0])
+    want = -(-np.bincount(ids.reshape(-1), minlength=5) // bm)  # ceil(rows / bm) blocks per expert
+    np.testing.assert_array_equal(np.bincount(blk_e[blk_e >= 0], minlength=5), want)
+    y = pk.moe_experts_1bit(jnp.asarray(x), ids, w, gu, dn, impl="pallas", interpret=True, config=cfg, poison=True)
+    y = np.asarray(y, np.float32)
+    assert np.isfinite(y).all(), "unwritten (poisoned) elements in the output"
+    assert rel_err(y, ref) < tolerance(cfg)
 
 
 def test_auto_picks_xla_on_cpu_and_bad_impl():

@@ -330,6 +330,30 @@ def test_bad_requests_get_clear_400s(serve):
         client(server).messages.create(model="m", max_tokens=5, messages=USER, extra_body={"top_k": -1})
 
 
+def test_validation_messages_say_what_is_wrong(serve):
+    server, engine = serve()
+    lone = {"model": "m", "max_tokens": 5, "messages": [{"role": "assistant", "content": "Sure, "}]}
+    assert_anthropic_error(raw_post(server, lone), 400, "invalid_request_error",
+                           "the conversation has no user message: a final assistant message is a prefill")
+    assert_anthropic_error(raw_post(server, lone, path="/v1/messages/count_tokens"), 400, "invalid_request_error",
+                           "no user message")
+    assert_anthropic_error(raw_post(server, {"model": "m", "max_tokens": 5, "messages": []}), 400,
+                           "invalid_request_error", "at least one message is required, got an empty array")
+    for body, kind in ((b"null", "null"), (b"7", "integer"), (b'"text"', "string"), (b"1.5", "number")):
+        assert_anthropic_error(raw_post(server, body), 400, "invalid_request_error",
+                               f"the request body must be a JSON object, got {kind}")
+    # A schema whose properties are null: named, instead of the chat template's "'NoneType' object has no ..."
+    tool = {"name": "f", "input_schema": {"type": "object", "properties": None}}
+    r = raw_post(server, {"model": "m", "max_tokens": 5, "messages": USER, "tools": [tool]})
+    assert_anthropic_error(r, 400, "invalid_request_error",
+                           "tools.0.input_schema.properties: expected an object mapping parameter names to schemas, "
+                           "got null")
+    r = raw_post(server, {"model": "m", "max_tokens": 1.5, "messages": USER})
+    assert_anthropic_error(r, 400, "invalid_request_error", "max_tokens: expected an integer in 0..2147483647, got "
+                           "number 1.5")
+    assert not engine.submitted
+
+
 def test_prompt_too_long(serve, tokenizer):
     server, engine = serve(ScriptedEngine(tokenizer, context_length=64))
     with pytest.raises(anthropic.BadRequestError) as info:
