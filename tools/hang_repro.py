@@ -63,8 +63,9 @@ if last.finish_reason != "error":
 else:
     import os, subprocess
     # gdb sees every native thread (XLA's worker pools included); py-spy only the Python ones.
-    dump = subprocess.run(["timeout", "1200", "gdb", "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt 30"],
-                          capture_output=True, text=True)
+    # SIGKILL: gdb ignores SIGTERM while its target is stopped, and loading jaxlib's symbols takes minutes under load.
+    gdb = ["timeout", "-s", "KILL", "300", "gdb", "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt 30"]
+    dump = subprocess.run(gdb, capture_output=True, text=True)
     open(f"/tmp/hang-{os.getpid()}.txt", "w").write(dump.stdout + dump.stderr)
     for waited in range(int(sys.argv[2])):  # a slow step comes back and the engine reports healthy again
         if engine.health()[0]:
