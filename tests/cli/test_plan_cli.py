@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
         "4g": _start("--preset", "flash-next-125b", "--vram-budget-mib", "4096"),
         "card": _start("--preset", "flash-next-125b", "--card", "24gb", "--slots", "4", "--ctx", "32768"),
         "no card": _start("--preset", "flash-next-125b"),
-        "converted": _start("--model", str(converted), "--vram-budget-mib", "2048", "--slots", "2"),
+        "converted": _start("--model", str(converted), "--vram-budget-mib", "1700", "--slots", "2"),
     }
     out = {}
     for name, proc in procs.items():
@@ -80,7 +80,7 @@ def test_converted_directory_reads_its_marker_not_its_weights(runs):
     rc, out, err = runs["converted"]  # the directory has no weights at all
     assert rc == 0, err
     assert "weights float32, experts 1-bit, 2 planes, group 64" in out
-    # No --ctx: serve's default, the largest context that fits 2 slots in 2 GiB (65,536 does not).
+    # No --ctx: serve's default, the largest context that fits 2 slots in 1,700 MiB (65,536 does not).
     chosen = re.search(r"^context: 2 slots x (\d+) tokens \(plan: the largest that fits", out, re.MULTILINE)
     assert chosen and 1024 <= int(chosen[1]) < 65_536
     assert f"caches total (2 slots x {chosen[1]} tokens)" in out
