@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from strata_jax.engine.planner import device_memory
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.moe import QuantizedExperts
 
@@ -32,13 +33,9 @@ def free_memory_bytes(device=None) -> int | None:
     """Memory free where arrays of `device` (default: the first) live: the device allocator's limit less its use,
     or, for a CPU, the host's available memory (/proc/meminfo) capped by the cgroup's memory limit less its usage;
     None when unknown."""
-    dev = device if device is not None else jax.devices()[0]
-    try:
-        stats = dev.memory_stats()
-    except (RuntimeError, NotImplementedError, AttributeError):
-        stats = None
-    if stats and "bytes_limit" in stats:
-        return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    on_device = device_memory(device)
+    if on_device is not None:
+        return on_device.free
     candidates = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -75,13 +72,18 @@ def copy_bandwidth(gib: float | None = None, reps: int = 20) -> float:
     n = int(gib * 2**30 / 2)
     x = jax.random.normal(jax.random.key(1), (n,), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1.0001 + 0.5)
+    return 2 * n * 2 / _median_seconds(f, x, reps)
+
+
+def _median_seconds(f, x, reps: int) -> float:
+    """Median wall time of `f(x)` over `reps` runs after one warm-up run."""
     f(x).block_until_ready()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         f(x).block_until_ready()
         times.append(time.perf_counter() - t)
-    return 2 * n * 2 / statistics.median(times)
+    return statistics.median(times)
 
 
 def memory_bandwidth(gib: float | None = None, reps: int = 7) -> tuple[float, float]:
@@ -93,16 +95,7 @@ def memory_bandwidth(gib: float | None = None, reps: int = 7) -> tuple[float, fl
     a = jax.random.bits(jax.random.key(1), (n,), jnp.uint32)
     copy = jax.jit(lambda x: x ^ jnp.uint32(0x5A5A5A5A))
     read = jax.jit(lambda x: jnp.bitwise_xor.reduce(x.reshape(-1, 1024), axis=1))
-    seconds = []
-    for f in (copy, read):
-        f(a).block_until_ready()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            f(a).block_until_ready()
-            times.append(time.perf_counter() - t)
-        seconds.append(statistics.median(times))
-    return 2 * n * 4 / seconds[0], n * 4 / seconds[1]
+    return 2 * n * 4 / _median_seconds(copy, a, reps), n * 4 / _median_seconds(read, a, reps)
 
 
 def kernel_ops(hlo_text: str) -> dict[str, int]:
