@@ -16,6 +16,10 @@ mask, for the decode kernel (T <= 16) and as the reference the tests compare aga
 
 Reverse-mode differentiation (the demo trainer runs the attention layer under `jax.grad`) goes through the dense
 form: a loop with a traced trip count has no transpose.
+
+A quantized cache (int8 or fp8 keys and values with per-position scales, `pallas_kernels.decode_attention.
+quantize_kv`) is read one key block at a time as stored and widened inside the loop; its scales multiply the scores
+and the probabilities, as in the decode kernel. It is not differentiated (caches are quantized only for serving).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_attention import attention_jnp
+from pallas_kernels.decode_attention import attention_jnp, check_kv_scales
 
 BLOCK_K = 512  # keys per loop step: on a CPU, [T x G x Hk x 512] float32 scores per step keep the loop overhead small
 _NEG = -1e30  # the running max before any key: finite, so that exp(_NEG - m) is 0 rather than NaN
@@ -47,12 +51,14 @@ def dense_mask(positions: jax.Array, s: int, chosen: jax.Array | None = None, co
     return mask
 
 
-def _check(q: jax.Array, k: jax.Array, v: jax.Array, chosen: jax.Array | None, compress_ratio: int) -> None:
+def _check(q: jax.Array, k: jax.Array, v: jax.Array, chosen: jax.Array | None, compress_ratio: int,
+           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> None:
     bsz, t, kv_heads, _, d = q.shape
     s = k.shape[2]
     if k.shape != (bsz, kv_heads, s, d) or v.shape != k.shape:
         raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape} (want q [B, T, Hk, G, D], k "
                          "and v [B, Hk, S, D])")
+    check_kv_scales(k, v, k_scale, v_scale)
     if chosen is not None:
         if compress_ratio < 1 or s % compress_ratio:
             raise ValueError(f"the cache length {s} must be a whole number of QSA blocks of {compress_ratio}")
@@ -61,7 +67,8 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, chosen: jax.Array | None, c
                              f"{chosen.shape}")
 
 
-def _blocked(q, k, v, start, n_valid, chosen, compress_ratio: int, block_k: int) -> jax.Array:
+def _blocked(q, k, v, start, n_valid, chosen, compress_ratio: int, block_k: int, k_scale=None,
+             v_scale=None) -> jax.Array:
     f32 = jnp.float32
     bsz, t, kv_heads, group, d = q.shape
     s = k.shape[2]
@@ -93,12 +100,17 @@ def _blocked(q, k, v, start, n_valid, chosen, compress_ratio: int, block_k: int)
             vb = jax.lax.dynamic_slice_in_dim(v, k0, bk, axis=2).astype(q.dtype)
             # Scores rounded to q's dtype by the product, as `attention_jnp` does.
             sc = jnp.einsum("bkgtd,bksd->bkgts", qh, kb).astype(f32) * scale
+            if k_scale is not None:
+                sc = sc * jax.lax.dynamic_slice_in_dim(k_scale, k0, bk, axis=2)[:, :, None, None, :]
             keep = see[:, None, None]
             sc = jnp.where(keep, sc, _NEG)
             m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
             p = jnp.where(keep, jnp.exp(sc - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(q.dtype), vb, preferred_element_type=f32)
+            pw = p
+            if v_scale is not None:
+                pw = p * jax.lax.dynamic_slice_in_dim(v_scale, k0, bk, axis=2)[:, :, None, None, :]
+            pv = jnp.einsum("bkgts,bksd->bkgtd", pw.astype(q.dtype), vb, preferred_element_type=f32)
             return acc * correction[..., None] + pv, m_new, total * correction + jnp.sum(p, axis=-1)
 
         # A block no token sees (QSA, or a slot of the batch that ends earlier) costs its mask only.
@@ -139,8 +151,8 @@ _prefill.defvjp(_prefill_fwd, _prefill_bwd)
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_valid: jax.Array | None = None,
-                      chosen: jax.Array | None = None, compress_ratio: int = 1, *,
-                      block_k: int = BLOCK_K) -> jax.Array:
+                      chosen: jax.Array | None = None, compress_ratio: int = 1, *, block_k: int = BLOCK_K,
+                      k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
     """`attention_jnp` of a chunk of T new tokens with the causal (and QSA) mask, reading the cache block by block
     only up to the chunk's last position.
 
@@ -153,8 +165,12 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array
 
     Returns [B, T, Hk, G, D] in q's dtype: float32 scores and online-softmax state, q's dtype for the operands of
     both products (the dense form rounds the normalised probabilities instead, so bf16 results differ by
-    rounding). A token that sees no position gets zeros (the dense form: NaN)."""
-    _check(q, k, v, chosen, compress_ratio)
+    rounding). A token that sees no position gets zeros (the dense form: NaN). A quantized cache (k, v int8 or
+    float8_e4m3fn) needs ``k_scale`` and ``v_scale`` [B, Hk, S] float32, and has no gradient."""
+    _check(q, k, v, chosen, compress_ratio, k_scale, v_scale)
     if block_k < 1:
         raise ValueError(f"block_k must be positive, got {block_k}")
+    if k_scale is not None:
+        return _blocked(q, k, v, start.astype(jnp.int32), n_valid, chosen, compress_ratio, block_k,
+                        k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
     return _prefill(q, k, v, start.astype(jnp.int32), n_valid, chosen, compress_ratio, block_k)

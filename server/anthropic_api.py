@@ -19,7 +19,7 @@ from server.anthropic_request import MessagesRequest, parse_messages_request
 from server.anthropic_stream import MessageBuilder, SseEvent, random_id
 from server.errors import ApiError, anthropic_error_body
 from server.generation import ClientGone, EngineRun, generation_failed
-from server.prompt import RenderedPrompt, clamp_max_tokens, engine_top_k, render_prompt
+from server.prompt import RenderedPrompt, clamp_max_tokens, engine_top_k, output_constraint, render_prompt
 from server.sse import send_events, start_sse
 from server.state import REQUEST_ID, STATE, ServerState
 from server.toolcalls import OutputParser
@@ -56,11 +56,12 @@ def _usage(prompt_tokens: int, cached: int, output: int) -> dict[str, int]:
 class _Answer:
     """One answer being built: engine events -> parser -> content blocks (and their SSE events)."""
 
-    def __init__(self, req: MessagesRequest, rendered: RenderedPrompt, eos_ids: frozenset[int], model: str) -> None:
+    def __init__(self, req: MessagesRequest, rendered: RenderedPrompt, eos_ids: frozenset[int], model: str, *,
+                 constrained_calls: bool = False) -> None:
         # max_tokens 0 asks only for the prompt to be cached: one token is run and nothing is shown.
         self.warm_only = req.max_tokens == 0
         self._parser = OutputParser(req.prompt.tool_schemas, parse_tools=req.prompt.parse_tools,
-                                    start_in_thinking=rendered.start_in_thinking)
+                                    start_in_thinking=rendered.start_in_thinking, constrained=constrained_calls)
         self._builder = MessageBuilder(show_thinking=req.show_thinking)
         self._eos_ids = eos_ids
         self.n_prompt = len(rendered.ids)
@@ -117,9 +118,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         top_p=req.top_p,
         top_k=engine_top_k(req.top_k, tokenizer.vocab_size),
         stop_strings=req.stop_sequences,
+        constraint=output_constraint(req.prompt, rendered, constrain_tools=state.constrain_tools),
     )
     gen = GenerationRequest(prompt_ids=tuple(rendered.ids), sampling=sampling, request_id=request[REQUEST_ID])
-    answer = _Answer(req, rendered, tokenizer.eos_token_ids, req.model or state.served_name)
+    answer = _Answer(req, rendered, tokenizer.eos_token_ids, req.model or state.served_name,
+                     constrained_calls=bool(sampling.constraint and sampling.constraint.tools))
     async with EngineRun(engine, gen, request, state.metrics, heartbeat_s=state.heartbeat_s, api="anthropic",
                          monitor=state.monitor) as run:
         if not req.stream:

@@ -3,7 +3,9 @@
 Tolerant by design (see docs/CLIENTS.md): unknown fields, block types and `cache_control` are ignored;
 Claude Code's per-request attribution line in `system[0]` is dropped so the prefix cache keeps hitting; images and
 documents are replaced by a short placeholder (the model reads text only); server tools without `input_schema`
-cannot run here and are dropped.
+cannot run here and are dropped. `tool_choice` and structured output (`output_config.format`, or the older beta's
+top-level `output_format`: `{"type": "json_schema", "schema": ...}`) become the answer's grammar
+(`server.prompt.output_constraint`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from server.anthropic_checks import check_messages_body
 from server.errors import invalid_request
 from server.prompt import ChatPrompt, append_user_note, tool_choice_note
 from server.validation import (
@@ -48,6 +51,7 @@ class MessagesRequest:
 
 def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) -> MessagesRequest:
     """Validate and convert a Messages API body; `count_only` for count_tokens (no max_tokens/sampling)."""
+    check_messages_body(body)
     model = get_str(body, "model", "")
     raw_messages = get_list(body, "messages")
     messages: list[dict[str, Any]] = []
@@ -73,6 +77,10 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
     if choice_type not in ("auto", "any", "tool", "none"):
         raise invalid_request(f"tool_choice.type: expected auto, any, tool or none, got {choice_type!r}",
                               "tool_choice")
+    offered = bool(tools)
+    if choice_type == "tool" and offered and choice.get("name") not in schemas:
+        raise invalid_request(f"tool_choice.name: {choice.get('name')!r} is not one of the offered tools",
+                              "tool_choice.name")
     if choice_type == "none":
         tools, schemas = [], {}
     note = tool_choice_note(choice_type, choice.get("name")) if tools else None
@@ -82,6 +90,10 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
     thinking = get_dict(body, "thinking") or {}
     thinking_on = thinking.get("type") in ("enabled", "adaptive")
     get_int(thinking, "budget_tokens", None, minimum=0, path="thinking.")  # read nowhere, but bounded like the rest
+    output_schema = _output_schema(body)
+    if output_schema is not None and prefill:
+        raise invalid_request("output_config.format: a structured answer cannot continue a prefilled assistant "
+                              "message", "output_config.format")
     prompt = ChatPrompt(
         messages=messages,
         tools=tools or None,
@@ -89,6 +101,8 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
         parse_tools=bool(tools),
         enable_thinking=thinking_on,
         prefill=prefill,
+        tool_choice=_ENGINE_TOOL_CHOICE.get(choice_type, choice.get("name")) if offered else "auto",
+        output_schema=output_schema,
     )
     if count_only:
         return MessagesRequest(model, prompt, None, False, 1.0, 1.0, 0, (), thinking_on)
@@ -103,6 +117,28 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
         stop_sequences=get_stop_strings(body, "stop_sequences"),
         show_thinking=thinking_on,
     )
+
+
+_ENGINE_TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}  # "tool": the tool's name
+
+
+def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Structured output's JSON schema: `output_config.format` (or the beta's top-level `output_format`), or None."""
+    config = get_dict(body, "output_config") or {}
+    where = "output_config.format"
+    fmt = get_dict(config, "format", path="output_config.")
+    if fmt is None:
+        where, fmt = "output_format", get_dict(body, "output_format")
+    if fmt is None:
+        return None
+    kind = get_str(fmt, "type", path=f"{where}.")
+    if kind != "json_schema":
+        raise invalid_request(f"{where}.type: expected json_schema, got {kind!r}", f"{where}.type")
+    schema = get_dict(fmt, "schema", path=f"{where}.")
+    if schema is None:
+        raise invalid_request(f"{where}.schema: a JSON schema object is required", f"{where}.schema")
+    check_tool_schema(schema, f"{where}.schema")
+    return schema
 
 
 def _system_text(system: Any) -> str:

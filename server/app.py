@@ -11,6 +11,7 @@ Routes:
     POST /v1/messages/count_tokens
     GET  /v1/models[/{id}]          Anthropic shape if the request has an `anthropic-version` header, else OpenAI's
     POST /v1/chat/completions       OpenAI chat completions
+    POST /v1/completions            OpenAI legacy completions (raw prompt, no chat template)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from aiohttp import web
 from strata_jax.engine.protocol import EngineProtocol
 from strata_jax.tokenizer import Tokenizer
 
-from server import anthropic_api, openai_api
+from server import anthropic_api, completions_api, openai_api
 from server.auth import auth_middleware
 from server.errors import ApiError, error_response, is_openai_request
 from server.generation import ClientGone
@@ -52,11 +53,12 @@ def create_app(engine: EngineProtocol | None, tokenizer: Tokenizer | None, *, se
                api_key: str | None, context_length: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                ping_interval_s: float = 10.0, body_idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
                body_total_timeout_s: float = BODY_TOTAL_TIMEOUT_S, about: Mapping[str, Any] | None = None,
-               metrics_public: bool = False) -> web.Application:
+               metrics_public: bool = False, constrain_tools: bool = True) -> web.Application:
     """The server application. `engine`/`tokenizer` may be None while the model loads (then /health is 503 and API
     calls get 529 overloaded errors); install them with `install_engine` when loading finishes. `about` describes
     the set-up for the monitor (model, dtype, slots, context, drafter, `plan`: [label, value] rows);
-    `metrics_public` opens /metrics to clients on this machine without the key."""
+    `metrics_public` opens /metrics to clients on this machine without the key; `constrain_tools` makes offered
+    tools the answer's grammar (calls name only them, arguments follow their schemas)."""
     state = ServerState(
         served_name=served_name,
         api_key=api_key or None,
@@ -68,6 +70,7 @@ def create_app(engine: EngineProtocol | None, tokenizer: Tokenizer | None, *, se
         engine=engine,
         tokenizer=tokenizer,
         about=dict(about or {}),
+        constrain_tools=constrain_tools,
     )
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[_request_context, auth_middleware(api_key, metrics_public=metrics_public)])
@@ -83,6 +86,7 @@ def create_app(engine: EngineProtocol | None, tokenizer: Tokenizer | None, *, se
     app.router.add_get("/v1/models", _list_models)
     app.router.add_get("/v1/models/{model_id:.+}", _get_model)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_post("/v1/completions", completions_api.completions)
     return app
 
 

@@ -192,6 +192,7 @@ class EngineRun:
             "max_tokens": self.gen.sampling.max_tokens,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 3),
             "tok_s": round(rate(self._token_times, now), 2),
+            "slot": self.slot,
         }
 
     def finished_summary(self, exc_type: type[BaseException] | None = None) -> Finished:
@@ -216,6 +217,7 @@ class EngineRun:
             duration_s=time.monotonic() - self._started,
             stop=stop,
             ended=time.monotonic(),
+            slot=self.slot,
         )
 
     @property
@@ -223,6 +225,11 @@ class EngineRun:
         """Tokens generated so far (the engine's count when it reports one)."""
         reported = self.last_event.completion_tokens if self.last_event else 0
         return max(reported, self.generated)
+
+    @property
+    def slot(self) -> int | None:
+        """The engine slot serving the request (known from the first event, when the engine reports it)."""
+        return self.first_event.slot if self.first_event else None
 
     @property
     def cached_tokens(self) -> int:

@@ -64,17 +64,20 @@ def configure_logging(log_format: str = "text", stream: Any = None) -> None:
 
 
 def log_request(finished: Finished) -> None:
-    """The request's line at its end: id, API, prompt / cached / output tokens, TTFT, tok/s, duration, stop."""
+    """The request's line at its end: id, API, prompt / cached / output tokens, TTFT, tok/s, duration, stop, slot."""
     f = finished
     ttft = "-" if f.ttft_s is None else f"{f.ttft_s:.3f}s"
     speed = "-" if f.tok_s is None else f"{f.tok_s:.1f}"
+    slot = "-" if f.slot is None else str(f.slot)
     request_log.info(
-        "%s %s: prompt %d tokens (%d cached), output %d, TTFT %s, %s tok/s, %.2fs, stop %s",
+        "%s %s: prompt %d tokens (%d cached), output %d, TTFT %s, %s tok/s, %.2fs, stop %s, slot %s",
         f.request_id, f.api, f.prompt_tokens, f.cached_tokens, f.output_tokens, ttft, speed, f.duration_s, f.stop,
+        slot,
         extra={"fields": {"event": "request", "request_id": f.request_id, "api": f.api,
                           "prompt_tokens": f.prompt_tokens, "cached_tokens": f.cached_tokens,
                           "output_tokens": f.output_tokens, "ttft_s": _round(f.ttft_s, 3),
-                          "tok_s": _round(f.tok_s, 2), "duration_s": round(f.duration_s, 3), "stop": f.stop}},
+                          "tok_s": _round(f.tok_s, 2), "duration_s": round(f.duration_s, 3), "stop": f.stop,
+                          "slot": f.slot}},
     )
 
 

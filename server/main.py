@@ -54,7 +54,7 @@ def is_loopback(host: str) -> bool:
 def serve(load_engine: LoadEngine, *, host: str, port: int, api_key: str | None, served_name: str,
           allow_insecure_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           stuck_exit_s: float = STUCK_EXIT_S, log_format: str = "text", metrics_public: bool = False,
-          about: Mapping[str, Any] | None = None) -> int:
+          about: Mapping[str, Any] | None = None, constrain_tools: bool = True) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0), or until the engine stays unhealthy for `stuck_exit_s`
     (EXIT_STUCK: the caller should end the process at once, e.g. `os._exit`, since an engine thread may be stuck
     in a device call); returns the process exit code.
@@ -63,7 +63,8 @@ def serve(load_engine: LoadEngine, *, host: str, port: int, api_key: str | None,
     progress. `api_key` defaults to $STRATA_API_KEY. A non-loopback `host` needs a key unless
     `allow_insecure_public`. `log_format` is "text" or "json" (one object per line, on stderr); `metrics_public`
     opens /metrics to clients on this machine without the key; `about` describes the set-up for the start-up
-    summary and the monitor (see `server.app.create_app`).
+    summary and the monitor (see `server.app.create_app`); `constrain_tools` (default on) makes offered tools the
+    answer's grammar.
     """
     key_hint = None
     if api_key:
@@ -78,7 +79,7 @@ def serve(load_engine: LoadEngine, *, host: str, port: int, api_key: str | None,
     # Request lines (strata.requests), access lines for other requests, long prompts' prefill progress.
     configure_logging(log_format)
     options = _Options(api_key, served_name, max_body_bytes, stuck_exit_s, log_format, metrics_public,
-                       dict(about or {}), key_hint)
+                       dict(about or {}), key_hint, constrain_tools)
     try:
         return asyncio.run(_serve(load_engine, host, port, options))
     except KeyboardInterrupt:
@@ -97,6 +98,7 @@ class _Options:
     metrics_public: bool
     about: dict[str, Any]
     key_hint: str | None  # how the start-up summary writes the key (never the key itself)
+    constrain_tools: bool = True
 
 
 def _url(host: str, port: int) -> str:
@@ -110,7 +112,8 @@ async def _serve(load_engine: LoadEngine, host: str, port: int, opts: _Options) 
         loop.add_signal_handler(sig, stop.set)
 
     app = create_app(None, None, served_name=opts.served_name, api_key=opts.api_key, context_length=0,
-                     max_body_bytes=opts.max_body_bytes, about=opts.about, metrics_public=opts.metrics_public)
+                     max_body_bytes=opts.max_body_bytes, about=opts.about, metrics_public=opts.metrics_public,
+                     constrain_tools=opts.constrain_tools)
     runner = make_runner(app, shutdown_timeout=SHUTDOWN_GRACE_S, access_log_format=ACCESS_LOG_FORMAT,
                          access_log_class=QuietAccessLogger)
     await runner.setup()

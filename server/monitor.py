@@ -42,6 +42,7 @@ class Finished:
     duration_s: float
     stop: str
     ended: float  # time.monotonic() at the end
+    slot: int | None = None  # the engine slot that served it (None: the engine did not say, or it never got one)
 
 
 def rate(times: collections.deque[float], now: float, window_s: float = RATE_WINDOW_S) -> float:

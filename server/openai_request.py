@@ -2,6 +2,8 @@
 
 Same tolerance as the Anthropic side: unknown fields are ignored, image/audio/file parts become a placeholder.
 Reasoning can be switched with vLLM's `chat_template_kwargs: {"enable_thinking": bool}` or `reasoning_effort`.
+`tool_choice` and `response_format` (`json_object`: any JSON object; `json_schema`: its schema, enforced whether or
+not `strict`; `text`: free) become the answer's grammar (`server.prompt.output_constraint`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any
+
+from strata_jax.engine.protocol import MAX_TOP_LOGPROBS
 
 from server.anthropic_request import IMAGE_PLACEHOLDER
 from server.errors import invalid_request
@@ -45,6 +49,7 @@ class ChatRequest:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    logprobs: int | None = None  # None: none asked; k: each token's logprob and its k most likely alternatives
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -63,6 +68,10 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         choice = "tool"
     if choice not in ("auto", "none", "required", "tool"):
         raise invalid_request("tool_choice: expected none, auto, required or a function", "tool_choice")
+    offered = bool(tools)
+    if choice == "tool" and offered and forced not in schemas:
+        raise invalid_request(f"tool_choice.function.name: {forced!r} is not one of the offered tools",
+                              "tool_choice.function.name")
     if choice == "none":
         tools, schemas = [], {}
     note = tool_choice_note("any" if choice == "required" else choice, forced) if tools else None
@@ -82,7 +91,9 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(
         model=model,
         prompt=ChatPrompt(messages=messages, tools=tools or None, tool_schemas=schemas, parse_tools=bool(tools),
-                          enable_thinking=enable_thinking),
+                          enable_thinking=enable_thinking,
+                          tool_choice=(forced if choice == "tool" else choice) if offered else "auto",
+                          output_schema=response_schema(body)),
         max_tokens=max_tokens,
         stream=get_bool(body, "stream", False),
         include_usage=bool(stream_options.get("include_usage")),
@@ -91,7 +102,44 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         top_k=max(get_int(body, "top_k", 0, minimum=-1, maximum=INT32_MAX), 0),  # vLLM's -1 = off, like 0
         seed=get_int(body, "seed", None, minimum=INT64_MIN, maximum=INT64_MAX),
         stop=get_stop_strings(body, "stop"),
+        logprobs=chat_logprobs(body),
     )
+
+
+def response_schema(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`response_format` as the JSON schema the answer must follow: json_object -> any object, json_schema -> its
+    `schema` (any object when it has none), text or absent -> None."""
+    fmt = get_dict(body, "response_format")
+    if fmt is None:
+        return None
+    kind = get_str(fmt, "type", path="response_format.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise invalid_request(f"response_format.type: expected text, json_object or json_schema, got {kind!r}",
+                              "response_format.type")
+    spec = get_dict(fmt, "json_schema", path="response_format.")
+    if spec is None:
+        raise invalid_request("response_format.json_schema: required for type json_schema",
+                              "response_format.json_schema")
+    get_bool(spec, "strict", False, path="response_format.json_schema.")
+    schema = get_dict(spec, "schema", path="response_format.json_schema.")
+    if schema is None:
+        return {"type": "object"}
+    check_tool_schema(schema, "response_format.json_schema.schema")
+    return schema
+
+
+def chat_logprobs(body: dict[str, Any]) -> int | None:
+    """`logprobs: true` + `top_logprobs: k` as the engine's `SamplingParams.logprobs` (None when not asked)."""
+    top = get_int(body, "top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if not get_bool(body, "logprobs", False):
+        if top:
+            raise invalid_request("top_logprobs: needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _content_text(content: Any, path: str) -> str:

@@ -7,12 +7,14 @@ chat templates expect); this module folds stray system messages, renders, tokeni
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import jinja2
 
+from strata_jax.engine.protocol import Constraint, ToolSchema
 from strata_jax.tokenizer import Tokenizer, TooManyTokens
 
 from server.errors import ApiError, invalid_request
@@ -30,6 +32,9 @@ class ChatPrompt:
     `[{"id", "type": "function", "function": {"name", "arguments": dict}}]` and `reasoning_content`; tool:
     `tool_call_id`). `tools`: OpenAI-style function tools for the template (None = no tools). `tool_schemas`: name ->
     JSON input schema, for typing parsed tool-call arguments. `prefill`: assistant text the answer continues from.
+    `tool_choice`: "auto", "required", "none" (tools were offered but may not be called) or a tool's name;
+    `output_schema`: the JSON schema the answer must follow (OpenAI `response_format`, Anthropic
+    `output_config.format`), or None. Both only shape the answer through `output_constraint`.
     """
 
     messages: list[dict[str, Any]]
@@ -38,15 +43,20 @@ class ChatPrompt:
     parse_tools: bool = True
     enable_thinking: bool | None = None
     prefill: str = ""
+    tool_choice: str = "auto"
+    output_schema: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RenderedPrompt:
-    """The rendered prompt: text, token ids, and whether generation starts inside an opened `<think>`."""
+    """The rendered prompt: text, token ids, whether generation starts inside an opened `<think>`, and whether the
+    answer may open one (not when the template already closed an empty block, as it does with thinking off, nor
+    after a prefill)."""
 
     text: str
     ids: list[int]
     start_in_thinking: bool
+    may_open_thinking: bool = True
 
 
 def reminder(text: str) -> str:
@@ -154,6 +164,7 @@ def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt, max_prompt_tokens: i
     if not isinstance(text, str):
         raise invalid_request("the model's chat template did not render text")
     start_in_thinking = text.rstrip().endswith("<think>")
+    may_open_thinking = not start_in_thinking and not text.rstrip().endswith("</think>") and not prompt.prefill
     if prompt.prefill:
         text += prompt.prefill
         if "</think>" in prompt.prefill:
@@ -170,7 +181,8 @@ def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt, max_prompt_tokens: i
         raise invalid_request(f"the prompt cannot be tokenized: {_short(str(exc))}") from exc
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise invalid_request(f"prompt is too long: {len(ids)} tokens > {max_prompt_tokens} maximum")
-    return RenderedPrompt(text=text, ids=ids, start_in_thinking=start_in_thinking)
+    return RenderedPrompt(text=text, ids=ids, start_in_thinking=start_in_thinking,
+                          may_open_thinking=may_open_thinking)
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -203,3 +215,25 @@ def tool_schema_map(tools: list[Mapping[str, Any]] | None) -> dict[str, Any]:
         fn = tool.get("function", tool)
         out[fn["name"]] = fn.get("parameters") or {}
     return out
+
+
+def output_constraint(prompt: ChatPrompt, rendered: RenderedPrompt, *, constrain_tools: bool = True
+                      ) -> Constraint | None:
+    """The grammar the answer must follow (the engine masks every step with it), or None for a free answer.
+
+    Offered tools (with `constrain_tools`, serve's default): calls name only those tools, arguments follow their
+    schemas, `tool_choice` holds (a forced choice: calls only; "none": no call). Else the output schema, if any:
+    the answer is one JSON value following it. Offered tools win over an output schema (one grammar cannot yet say
+    "JSON or tool calls"); with tools offered and `constrain_tools` off, the answer is free. A `<think>` block stays
+    possible where the rendered prompt allows one."""
+    thinking = {"thinking": rendered.may_open_thinking, "starts_in_thinking": rendered.start_in_thinking}
+    if prompt.tools:
+        if not constrain_tools:
+            return None
+        tools = tuple(ToolSchema(name, json.dumps(schema)) for name, schema in tool_schema_map(prompt.tools).items())
+        return Constraint(tools=tools, tool_choice=prompt.tool_choice, **thinking)
+    if prompt.output_schema is not None:
+        return Constraint(json_schema=json.dumps(prompt.output_schema), **thinking)
+    if prompt.tool_choice == "none" and constrain_tools:
+        return Constraint(tool_choice="none", **thinking)
+    return None

@@ -32,6 +32,9 @@ class ServerState:
     # What the monitor shows about the set-up (model, dtype, slots, context, drafter, memory plan rows); set by serve.
     about: dict[str, Any] = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
+    # Offered tools become the answer's grammar (calls name only them, arguments follow their schemas); serve's
+    # --no-constrain-tools turns it off.
+    constrain_tools: bool = True
     metrics: ServerMetrics = dataclasses.field(init=False)
     monitor: Monitor = dataclasses.field(default_factory=Monitor)
 

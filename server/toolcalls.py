@@ -23,6 +23,12 @@ the JSON types the tool's `input_schema` declares (string parameters stream as t
 once complete). Whitespace at the edges of a text or reasoning run (e.g. the blank line after `</think>` or between
 text and a tool call) is dropped. Malformed tool-call markup before the function name is known is passed through as
 text; after it, the call is closed as well as possible.
+
+`constrained=True` is for output that follows the engine's tool-call grammar (`strata_jax/engine/constraints.py`,
+`_xml_value` and `_xml_call`), which is stricter than a free model: a call opens only at `<tool_call>` and names an
+offered tool (anything else is text), a value ends only at its exact closing `\n</parameter>\n` (so a written file
+may contain `</parameter>` or `</function>`), and a value whose schema is not plain text is JSON (`"a"` for a
+`["string", "null"]` parameter is the string a).
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 # legitimately contain other markup, e.g. a file written with the Write tool, so nothing looser ends them.)
 _VALUE_ENDS = (PARAM_CLOSE, FUNC_CLOSE + "\n" + CALL_CLOSE)
 _MAX_NAME = 256  # a function/parameter name longer than this is not a name
+GRAMMAR_VALUE_END = "\n" + PARAM_CLOSE + "\n"  # how the grammar closes every value
+_SCHEMA_SHAPE_KEYS = ("anyOf", "oneOf", "enum", "const", "properties", "items")
 
 # Parser states.
 _TEXT, _THINK, _CALL, _FUNC_NAME, _FUNC_BODY, _PARAM_NAME, _PARAM_VALUE, _FUNC_END, _JSON = range(9)
@@ -122,6 +130,21 @@ def schema_types(schema: Any) -> frozenset[str]:
     if "items" in schema:
         return frozenset({"array"})
     return frozenset()
+
+
+def grammar_writes_raw(schema: Any) -> bool:
+    """Whether the engine's tool-call grammar writes a parameter of this schema as raw text (strings, string enums,
+    untyped values) rather than JSON; the same rule as `strata_jax.engine.constraints._xml_value`."""
+    schema = schema if isinstance(schema, Mapping) else {}
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        types = {kind}
+    else:
+        types = {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else set()
+    values = schema.get("enum")
+    if isinstance(values, list) and values and all(isinstance(v, str) for v in values):
+        return True
+    return types == {"string"} or (not types and not any(k in schema for k in _SCHEMA_SHAPE_KEYS))
 
 
 def _json_type(value: Any) -> str:
@@ -224,13 +247,17 @@ class OutputParser:
 
     `tools` maps tool names to their JSON `input_schema` (used for value types); `parse_tools=False` leaves tool-call
     markup as text. `start_in_thinking` is for prompts whose generation prompt already opened `<think>`.
+    `constrained`: the output follows the engine's tool-call grammar (see the module docstring).
     """
 
     def __init__(self, tools: Mapping[str, Any] | None = None, *, parse_tools: bool = True,
-                 start_in_thinking: bool = False) -> None:
-        """Create a parser; see the class docstring."""
+                 start_in_thinking: bool = False, constrained: bool = False) -> None:
+        """Create a parser; see the class docstring (and the module's for `constrained`)."""
         self._tools = dict(tools or {})
         self._parse_tools = parse_tools
+        self._constrained = constrained
+        self._value_ends = (GRAMMAR_VALUE_END,) if constrained else _VALUE_ENDS
+        self._json_value = False  # the current value is JSON (constrained: its schema is not plain text)
         self._buf = ""
         self._out: list[ParseEvent] = []
         self._state = _THINK if start_in_thinking else _TEXT
@@ -354,7 +381,9 @@ class OutputParser:
 
     def _text_tags(self) -> tuple[str, ...]:
         tags = (THINK_OPEN, THINK_CLOSE)
-        return tags + (CALL_OPEN, FUNC_OPEN) if self._parse_tools else tags
+        if not self._parse_tools:
+            return tags
+        return tags + ((CALL_OPEN,) if self._constrained else (CALL_OPEN, FUNC_OPEN))
 
     def _step_text(self, final: bool) -> bool:
         tags = self._text_tags()
@@ -427,7 +456,7 @@ class OutputParser:
         if i == -1:
             return False
         name = head.strip()
-        if not name:
+        if not name or (self._constrained and name not in self._tools):
             self._fallback_to_text()
             return True
         self._buf = self._buf[i + 1:]
@@ -471,8 +500,10 @@ class OutputParser:
             return False
         self._param = self._buf[:i].strip()
         self._buf = self._buf[i + 1:]
-        self._param_types = schema_types(self._schema_props.get(self._param))
-        self._streaming_value = self._param_types == {"string"}
+        schema = self._schema_props.get(self._param)
+        self._param_types = schema_types(schema)
+        self._json_value = self._constrained and not grammar_writes_raw(schema)
+        self._streaming_value = self._param_types == {"string"} and not self._json_value
         self._value = ""
         self._value_lead_checked = False
         if self._streaming_value:
@@ -493,19 +524,20 @@ class OutputParser:
             if self._buf.startswith("\n"):
                 self._buf = self._buf[1:]
             self._value_lead_checked = True
-        i, tag = _find_first(self._buf, _VALUE_ENDS)
+        ends = self._value_ends
+        i, tag = _find_first(self._buf, ends)
         if i == -1:
             if final:
                 return False  # finish() closes the value
-            hold = _partial_suffix(self._buf, _VALUE_ENDS + tuple("\n" + t for t in _VALUE_ENDS))
+            hold = _partial_suffix(self._buf, ends + tuple("\n" + t for t in ends))
             if self._buf.endswith("\n"):
                 hold = max(hold, 1)
             self._take_value(self._buf[: len(self._buf) - hold])
             self._buf = self._buf[len(self._buf) - hold:]
             return False
         value = self._buf[:i]
-        self._buf = self._buf[i + len(tag):] if tag == PARAM_CLOSE else self._buf[i:]
-        self._finish_value(value[:-1] if value.endswith("\n") else value)
+        self._buf = self._buf[i + len(tag):] if tag in (PARAM_CLOSE, GRAMMAR_VALUE_END) else self._buf[i:]
+        self._finish_value(value[:-1] if value.endswith("\n") and tag != GRAMMAR_VALUE_END else value)
         self._state = _FUNC_BODY
         return True
 
@@ -522,9 +554,17 @@ class OutputParser:
             value: Any = self._value
             self._args_json('"')
         else:
-            value = convert_value(self._value, self._param_types)
+            value = self._json_or_converted(self._value)
             self._args_json(self._open_key() + json.dumps(value, ensure_ascii=False))
         self._args[self._param] = value
+
+    def _json_or_converted(self, text: str) -> Any:
+        if self._json_value:
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                pass  # a value cut short (max_tokens) or written after the grammar gave up: convert as usual
+        return convert_value(text, self._param_types)
 
     def _end_call(self) -> None:
         self._args_json("}" if self._args_open else "{}")
@@ -569,6 +609,8 @@ class OutputParser:
         except json.JSONDecodeError:
             return False
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"].strip():
+            return False
+        if self._constrained and obj["name"].strip() not in self._tools:
             return False
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):

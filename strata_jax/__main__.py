@@ -19,7 +19,9 @@ def _generate(args: argparse.Namespace) -> int:
     from strata_jax import load_model
     from strata_jax.engine.planner import default_dtype
 
-    model = load_model(args.model, dtype=args.dtype or default_dtype(jax.default_backend()))
+    mesh = mesh_of(args)
+    model = load_model(args.model, dtype=args.dtype or default_dtype(jax.default_backend()),
+                       mesh=None if mesh is None else mesh.make(), expert_exchange=args.expert_exchange)
     tok = model.tokenizer
     if tok is None:
         print(f"error: {args.model} has no tokenizer.json", file=sys.stderr)
@@ -32,7 +34,11 @@ def _generate(args: argparse.Namespace) -> int:
         print("error: the prompt encodes to no tokens", file=sys.stderr)
         return 2
     started = time.monotonic()
-    out = model.generate(ids, args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.cache_dtype is None:
+        out = model.generate(ids, args.max_tokens, temperature=args.temperature, seed=args.seed)
+    else:
+        out = generate_with_cache(model, ids, args.max_tokens, args.cache_dtype, temperature=args.temperature,
+                                  seed=args.seed)
     elapsed = time.monotonic() - started
     print(answer_text(tok, out, set(model.config.eos_token_ids) | set(tok.eos_token_ids)))
     print(
@@ -41,6 +47,39 @@ def _generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def generate_with_cache(model, ids: list[int], max_new_tokens: int, cache_dtype: str, temperature: float = 0.0,
+                        seed: int = 0) -> list[int]:
+    """`LoadedModel.generate` (stopping after an eos token) on a cache of `cache_dtype` (EngineConfig.cache_dtype's
+    names: bf16, float32, int8, fp8) instead of the model's dtype."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from strata_jax.engine.config import EngineConfig
+    from strata_jax.loaded_model import Sequences
+    from strata_jax.model.cache import init_cache, kv_dtype_of
+
+    name = EngineConfig(cache_dtype=cache_dtype).cache_dtype  # validated, bf16 -> bfloat16
+    kv = kv_dtype_of(name)
+    cache = init_cache(model.config, 1, len(ids) + max_new_tokens, model.dtype if kv is not None else jnp.dtype(name),
+                       with_mtp=model.has_mtp, kv_dtype=kv)
+    logits, _, seqs = model.step(Sequences(cache, model.ple_context([])), np.asarray([ids], np.int32))
+    rng = np.random.default_rng(seed)
+    eos = set(model.config.eos_token_ids) | (set(model.tokenizer.eos_token_ids) if model.tokenizer else set())
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        z = logits[0, -1].astype(np.float64)
+        if temperature <= 0:
+            token = int(np.argmax(z))
+        else:
+            p = np.exp((z - z.max()) / temperature)
+            token = int(rng.choice(len(p), p=p / p.sum()))
+        out.append(token)
+        if token in eos:
+            break
+        logits, _, seqs = model.step(seqs, np.asarray([[token]], np.int32))
+    return out
 
 
 def answer_text(tok, out: list[int], eos_ids: set[int]) -> str:
@@ -52,12 +91,30 @@ def answer_text(tok, out: list[int], eos_ids: set[int]) -> str:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from strata_jax.weights.convert import convert_checkpoint
+    from strata_jax.weights.convert import convert_checkpoint, convert_from_gguf
 
     started = time.monotonic()
+    if (args.model is None) == (args.from_gguf is None):
+        raise ValueError("quantize needs exactly one of --model DIR and --from-gguf FILE")
+    if args.from_gguf is not None:
+        explicit = "--planes" in sys.argv or "--group" in sys.argv
+        meta = convert_from_gguf(args.from_gguf, args.out, dtype=args.dtype, planes=args.planes if explicit else None,
+                                 group=args.group if explicit else None)
+        print(f"wrote {args.out} from {args.from_gguf} ({meta['planes']} plane(s), group {meta['group']}) in "
+              f"{time.monotonic() - started:.1f}s")
+        return 0
     meta = convert_checkpoint(args.model, args.out, group=args.group, planes=args.planes, dtype=args.dtype)
     print(f"wrote {args.out} ({meta['planes']} plane(s), group {meta['group']}) in {time.monotonic() - started:.1f}s")
     return 0
+
+
+def _prefix_cache_mib(args: argparse.Namespace) -> int:
+    """--prefix-cache-mib, or the budget planned from the host's memory (printed: agents depend on it)."""
+    from strata_jax.engine.prefix_cache import planned_budget_mib
+
+    mib = args.prefix_cache_mib if args.prefix_cache_mib is not None else planned_budget_mib()
+    print(f"prefix cache: {mib:,} MiB of host memory for snapshots", flush=True)
+    return mib
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -67,7 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     for flag, value, bound in (("--slots", args.slots, 1), ("--ctx", args.ctx, 2), ("--port", args.port, 0),
-                               ("--prefill-batch", args.prefill_batch, 1)):
+                               ("--prefill-batch", args.prefill_batch, 1),
+                               ("--prefix-cache-mib", args.prefix_cache_mib, 0)):
         if value is not None and value < bound:
             print(f"error: {flag} must be >= {bound}", file=sys.stderr)
             return 2
@@ -95,13 +153,20 @@ def _serve(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         print(f"loading {model_dir} ({dtype}) ...", flush=True)
+        mesh = mesh_of(args)
+        if mesh is not None:
+            print(mesh.describe(), flush=True)
         model = load_model(model_dir, dtype=dtype, gpu_experts=gpu_experts, host_kernel=args.host_kernel,
-                           host_workers=args.pool_workers)
+                           host_workers=args.pool_workers, host_path=setup.host_path, copy_slots=args.copy_slots,
+                           prefill_copy_slots=setup.prefill_copy_slots,
+                           mesh=None if mesh is None else mesh.make(), expert_exchange=args.expert_exchange)
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
         config = EngineConfig(slots=args.slots, max_context=ctx, draft=draft, draft_k=args.draft_k,
-                              watchdog_s=args.watchdog, prefill_chunks=setup.chunks, prefill_batch=setup.batch)
+                              watchdog_s=args.watchdog, prefill_chunks=setup.chunks, prefill_batch=setup.batch,
+                              cache_dtype=args.cache_dtype, prefix_cache_mib=_prefix_cache_mib(args),
+                              prefix_cache_device_mib=setup.snapshot_device_mib)
         drafter = None
         if draft_dir is not None:
             from strata_jax.engine.draft_model import DraftModelDrafter
@@ -116,13 +181,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     code = serve(load_engine, host=args.host, port=args.port, api_key=args.api_key, served_name=served_name,
                  allow_insecure_public=args.allow_insecure_public, log_format=args.log_format,
-                 metrics_public=args.metrics_public, about=about)
+                 metrics_public=args.metrics_public, about=about, constrain_tools=not args.no_constrain_tools)
     if code == EXIT_STUCK:  # an engine thread may be stuck in a device call: interpreter shutdown could wait on it
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
 
+
+CACHE_DTYPE_CHOICES = ["bf16", "bfloat16", "float32", "fp8", "int8"]
+CACHE_DTYPE_HELP = ("KV cache dtype: bf16 / float32, or int8 / fp8 (e4m3): attention keys and values in one byte "
+                    "with a float32 scale per position and kv head, half the bytes of bf16 (the other caches stay "
+                    "in --dtype; docs/PERF.md, \"KV cache dtype\", gives the logit error measured). Default: the "
+                    "weights' dtype (--dtype)")
 
 EXIT_USAGE = 2  # a bad flag or value, a missing directory (argparse's own code)
 EXIT_DOES_NOT_FIT = 3  # plan / serve: the model does not fit the card at this shape
@@ -176,9 +247,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                      help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU)")
+    gen.add_argument("--cache-dtype", choices=CACHE_DTYPE_CHOICES, default=None, help=CACHE_DTYPE_HELP)
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt in the checkpoint's chat template as a user turn and print the answer "
                      "only (up to its end-of-turn token, which is not printed)")
+    add_mesh_flags(gen)
     gen.set_defaults(func=_generate)
 
     srv = command(
@@ -217,6 +290,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--gpu-experts", type=int, default=None,
                      help="experts per MoE layer in the device pool, overriding the plan (packed experts only; "
                      "default: the plan's)")
+    srv.add_argument("--host-path", choices=("auto", "stream", "compute"), default="auto",
+                     help="how experts outside the device pool are served: stream (kept in pinned host memory and "
+                     "copied to the GPU inside each step), compute (computed by the host CPU), or auto (default: "
+                     "stream on a GPU, compute elsewhere; the choice and why are printed at start)")
+    srv.add_argument("--copy-slots", type=int, default=None, metavar="N",
+                     help="streaming: staging rows per round of a decode step, per MoE layer (default: sized for "
+                     "each step from its tokens and the pool's share of the experts)")
     srv.add_argument("--draft", default="none",
                      help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
                      "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")
@@ -229,6 +309,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--prefill-batch", type=int, default=None, metavar="N",
                      help="most prompts prefilled together in one call (each compiled count costs start-up time; "
                           "default: 4 on a GPU where the plan allows, else 1; 1 on a CPU)")
+    srv.add_argument("--prefix-cache-mib", type=int, default=None, metavar="MIB",
+                     help="host memory for prefix-cache snapshots (default: a quarter of the host memory available "
+                          "at start, 2,048 to 65,536 MiB; 0 = off)")
     srv.add_argument("--watchdog", type=float, default=120.0, metavar="SECONDS",
                      help="an engine step running longer than this is taken as stuck: its requests fail with a "
                           "retryable error, /health answers 503, and after 30 s more the server exits with code 70 "
@@ -238,12 +321,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                      help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU; the backend is read by "
                      "the start-up device probe)")
+    srv.add_argument("--cache-dtype", choices=CACHE_DTYPE_CHOICES, default=None, help=CACHE_DTYPE_HELP)
     srv.add_argument("--log-format", choices=["text", "json"], default="text",
                      help="logs on stderr (one line per request at its end, access lines for other requests): "
                      "text, or json (one object per line with the request's fields)")
     srv.add_argument("--metrics-public", action="store_true",
                      help="serve /metrics without the API key to clients on this machine (a local Prometheus); "
                      "other clients still need the key")
+    srv.add_argument("--no-constrain-tools", action="store_true",
+                     help="let the model write tool calls freely. Without this switch offered tools are the answer's "
+                     "grammar: calls name only offered tools, arguments follow their schemas, tool_choice holds "
+                     "(docs/CLIENTS.md, \"Constrained tool calls and JSON\"); JSON response formats are enforced "
+                     "either way")
+    add_mesh_flags(srv)
     srv.set_defaults(func=_serve)
     qnt = command(
         "quantize", "convert a HF checkpoint: routed experts to packed 1-bit planes (orbax, resumable)",
@@ -251,7 +341,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "part by part with orbax-checkpoint. Re-running resumes an interrupted conversion. load_model and serve "
         "accept the result directly.",
     )
-    qnt.add_argument("--model", required=True, help="source HF checkpoint directory (required)")
+    qnt.add_argument("--model", help="source HF checkpoint directory (default: none; give this or --from-gguf)")
+    qnt.add_argument("--from-gguf", metavar="FILE", help="source llama.cpp GGUF file (or a part of a split set) of "
+                     "arch qwen4exp / qwen3next (default: none; give this or --model): experts keep its Q1_0 / TQ1_0 "
+                     "/ TQ2_0 bits unless --planes/--group are given")
     qnt.add_argument("--out", required=True, help="output directory (required)")
     qnt.add_argument("--group", type=int, default=128, choices=[64, 128, 256], help="inputs per scale")
     qnt.add_argument("--planes", type=int, default=1, choices=[1, 2, 3, 4], help="residual bit-planes")
@@ -283,8 +376,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="inputs per scale (default 128; a converted dir's own value wins)")
     pln.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                      help="dense weights (default bfloat16, serve's default on a GPU)")
-    pln.add_argument("--cache-dtype", choices=["bfloat16", "float32"], default=None,
-                     help="KV and conv caches (default: --dtype)")
+    pln.add_argument("--cache-dtype", choices=CACHE_DTYPE_CHOICES, default=None, help=CACHE_DTYPE_HELP)
     pln.add_argument("--vram-reserve-mib", type=int, default=1536, help="device memory to leave free")
     budget = pln.add_mutually_exclusive_group()
     budget.add_argument("--vram-budget-mib", type=int, default=None,
@@ -296,6 +388,45 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     sub.add_parser("bench", help="benchmarks, the same as python -m strata_jax.bench (`bench --help` lists the "
                    "modes)", add_help=False)
     return parser
+
+
+def add_mesh_flags(cmd: argparse.ArgumentParser) -> None:
+    """--devices / --mesh / --expert-exchange and the multi-host flags (strata_jax/engine/mesh.py)."""
+    group = cmd.add_argument_group("several devices (JAX sharding: experts split, dense weights replicated, slots "
+                                   "split)")
+    which = group.add_mutually_exclusive_group()
+    which.add_argument("--devices", type=int, default=None, metavar="N",
+                       help="split the routed experts (or the device expert pool) of every MoE layer over N devices "
+                       "and the slots' caches over them (default: one device, no mesh)")
+    which.add_argument("--mesh", default=None, metavar="SPEC",
+                       help="a data x expert mesh: data=D,expert=E or DxE; experts split over expert, each data group "
+                       "holding them all (default: one device, no mesh)")
+    group.add_argument("--expert-exchange", choices=["gather", "all_to_all"], default="gather",
+                       help="how a decode or verify step moves tokens to the devices holding their experts: gather "
+                       "(all-gather, then reduce-scatter of the results) or all_to_all")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="several hosts: process 0's address for jax.distributed.initialize (default: "
+                       "$JAX_COORDINATOR_ADDRESS, else a cluster JAX detects, else one host)")
+    group.add_argument("--num-processes", type=int, default=None,
+                       help="several hosts: processes in all, one per host (default: $JAX_NUM_PROCESSES or detected)")
+    group.add_argument("--process-id", type=int, default=None,
+                       help="several hosts: this process's index (default: $JAX_PROCESS_ID or detected)")
+
+
+def mesh_of(args: argparse.Namespace):
+    """The `MeshConfig` the flags ask for (None: one device), joining a multi-host run first when asked; kept on
+    `args` so that this happens once. ValueError on a bad spec."""
+    if not hasattr(args, "mesh_config"):
+        from strata_jax.engine.mesh import initialize_distributed, parse_mesh
+
+        config = parse_mesh(getattr(args, "devices", None), getattr(args, "mesh", None),
+                            getattr(args, "expert_exchange", "gather"))
+        if initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                                  getattr(args, "process_id", None)) and args.command == "serve":
+            raise ValueError("serve runs on one host (requests arrive at one process); several hosts work for "
+                             "generate and bench")
+        args.mesh_config = config
+    return args.mesh_config
 
 
 # A served context must hold the chat template's smallest prompt and at least this many answer tokens.
@@ -342,6 +473,9 @@ class ServeSetup:
     backend: str | None = None
     plan_summary: str = ""
     plan_rows: tuple[tuple[str, str], ...] = ()
+    host_path: str = "compute"  # how experts outside the pool are served (planner.stream_plan)
+    prefill_copy_slots: int | None = None  # streaming: staging rows per round of a prompt chunk
+    snapshot_device_mib: int = 0  # the prefix cache's device pool: half the arena the plan leaves unused
 
 
 def plan_rows(plan) -> tuple[tuple[str, str], ...]:
@@ -391,6 +525,7 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
         format_plan,
         make_plan,
         probe_device,
+        stream_plan,
     )
 
     if args.gpu_experts is not None and not (model_dir / "strata_quant.json").is_file():
@@ -405,7 +540,7 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
         print(f"weights: {dtype} (default for {seen}; --dtype to change)", flush=True)
     cfg, quant, _, with_mtp = _checkpoint_shapes(model_dir, None, None, dtype, quantized_only=True)
     reserve = DEFAULT_RESERVE_MIB if args.vram_reserve_mib is None else args.vram_reserve_mib
-    engine = EngineConfig(slots=args.slots, prefill_chunks=(32, 256, 2048))
+    engine = EngineConfig(slots=args.slots, prefill_chunks=(32, 256, 2048), cache_dtype=args.cache_dtype)
     ctx = choose_context(args.ctx, cfg, quant, engine, weights_dtype=dtype, with_mtp=with_mtp,
                          vram_reserve_mib=reserve, vram_budget_mib=args.vram_budget_mib, device=device)
     print(f"context: {args.slots} slots x {ctx.tokens} tokens ({ctx.reason})", flush=True)
@@ -433,7 +568,17 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
             "every weight resident (no device memory statistics on this backend: no plan)"))
     plan = make_plan(cfg, quant, engine, weights_dtype=dtype,
                      with_mtp=with_mtp, vram_reserve_mib=reserve, vram_budget_mib=args.vram_budget_mib, device=device)
-    print(format_plan(plan), flush=True)
+    mesh = mesh_of(args)
+    if mesh is not None and mesh.devices > 1:  # each device's plan; the pool below is every device's part
+        from strata_jax.engine.planner import format_device_plan, make_device_plan
+
+        per_device = make_device_plan(cfg, quant, engine, devices=mesh.devices, expert_shards=mesh.expert,
+                                      weights_dtype=dtype, with_mtp=with_mtp, vram_reserve_mib=reserve,
+                                      vram_budget_mib=args.vram_budget_mib, device=device)
+        print(format_device_plan(per_device), flush=True)
+        plan = dataclasses.replace(per_device.plan, gpu_experts=per_device.gpu_experts, num_experts=cfg.num_experts)
+    else:
+        print(format_plan(plan), flush=True)
     print(describe(budget), flush=True)
     if not plan.fits:
         raise DoesNotFit(plan.message)
@@ -445,11 +590,25 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
     if args.gpu_experts is not None:
         pool = args.gpu_experts
         print(f"--gpu-experts {pool} overrides the plan's pool of {plan.gpu_experts}", flush=True)
+    streaming = stream_plan(plan, engine, probe.backend, args.host_path, args.copy_slots)
+    if pool is not None and streaming.host_path == "stream":
+        if args.gpu_experts is None:
+            pool = streaming.gpu_experts
+        print(f"host expert tier: {pool} of {plan.num_experts} experts per MoE layer in the device pool, the others "
+              f"streamed from pinned host memory ({streaming.reason}); hot experts are promoted while serving",
+              flush=True)
+        return ServeSetup(pool, ctx.tokens, dtype, **shapes, plan_summary=plan_summary(plan),
+                          plan_rows=plan_rows(plan), host_path="stream",
+                          prefill_copy_slots=streaming.prefill_copy_slots)
     if pool is not None:
         print(f"host expert tier: {pool} of {plan.num_experts} experts per MoE layer in the device pool, the others "
-              f"computed by {budget.workers} host worker(s) ({args.host_kernel}); hot experts are promoted while "
-              "serving", flush=True)
-    return ServeSetup(pool, ctx.tokens, dtype, **shapes, plan_summary=plan_summary(plan), plan_rows=plan_rows(plan))
+              f"computed by {budget.workers} host worker(s) ({args.host_kernel}; {streaming.reason}); hot experts "
+              "are promoted while serving", flush=True)
+    # Every expert resident: half of the arena the plan leaves unused keeps recent prefix snapshots on the device
+    # (restored device to device); with a host tier that memory should go to experts instead.
+    spare = (plan.budget - plan.device_bytes) // 2 >> 20 if pool is None else 0
+    return ServeSetup(pool, ctx.tokens, dtype, **shapes, plan_summary=plan_summary(plan), plan_rows=plan_rows(plan),
+                      snapshot_device_mib=max(spare, 0))
 
 
 def _checkpoint_shapes(model_dir: Path, planes: int | None, group: int | None, dtype: str | None,
@@ -459,6 +618,11 @@ def _checkpoint_shapes(model_dir: Path, planes: int | None, group: int | None, d
     quantized, or, with `quantized_only` (serve loads HF experts dense), the experts are dense."""
     from strata_jax.model.config import ExpertQuantization, load_config
 
+    if Path(model_dir).suffix == ".gguf":
+        from strata_jax.weights.gguf_loader import gguf_shapes
+
+        cfg, quant = gguf_shapes(model_dir)
+        return cfg, quant, dtype or "bfloat16", False
     cfg = load_config(model_dir)
     if (model_dir / "strata_quant.json").is_file():
         from strata_jax.weights.convert import read_marker
@@ -515,6 +679,11 @@ def _plan(args: argparse.Namespace) -> int:
     if ctx.source != "flag":
         print(f"context: {args.slots} slots x {ctx.tokens} tokens ({ctx.reason})")
     print(format_plan(plan))
+    if plan.fits and plan.moe_layers and plan.gpu_experts < plan.num_experts:
+        from strata_jax.engine.planner import stream_plan
+
+        streaming = stream_plan(plan, dataclasses.replace(engine, max_context=ctx.tokens), "gpu")
+        print(f"experts outside the pool, served on a GPU (serve --host-path auto): {streaming.reason}")
     print(describe(cpu_budget(pool_workers=args.pool_workers)), flush=True)
     if not plan.fits:
         print(f"error: {plan.message}", file=sys.stderr)

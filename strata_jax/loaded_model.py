@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from strata_jax.host.pool import HostPool
 from strata_jax.host.tier import HostTier
 from strata_jax.model.config import ExpertQuantization, ModelConfig, load_config
 from strata_jax.model.cache import ModelCache, init_cache
 from strata_jax.model.decoder import CausalLM
+from strata_jax.model.expert_parallel import replicated_call, shard_state
 from strata_jax.model.ple_hash import NgramHasher, PleTable
 from strata_jax.weights.convert import is_converted, read_marker, restore_params
 from strata_jax.weights.loader import fill_params, has_mtp, load_ple_tables
@@ -54,7 +56,8 @@ class LoadedModel:
     idle one for a model without any), where the CLI and the benchmarks read `busy()` and switch kernels."""
 
     def __init__(self, path: Path, config: ModelConfig, model: CausalLM, dtype, ple_tables: list[PleTable], tokenizer,
-                 host_pool: HostPool | None = None):
+                 host_pool: HostPool | None = None, mesh: Mesh | None = None, expert_exchange: str = "gather",
+                 ple_hashers: list[NgramHasher] | None = None):
         self.path = path
         self.config = config
         self.tokenizer = tokenizer
@@ -63,12 +66,24 @@ class LoadedModel:
         self.has_mtp = model.mtp is not None
         self._graphdef, self._state = nnx.split(model)
         self._ple_tables = ple_tables
-        self._hashers = [NgramHasher.for_layer(config, i) for i in range(len(config.ple_layers))]
+        self._hashers = (ple_hashers if ple_hashers is not None  # a GGUF stores its hash constants
+                         else [NgramHasher.for_layer(config, i) for i in range(len(config.ple_layers))])
+        self.gguf_report = None  # set by load_model for a GGUF file (strata_jax.weights.gguf_loader.GGUFReport)
         for hasher, table in zip(self._hashers, ple_tables):
             if table.rows < hasher.table_rows - config.ngram_vocab_divisor:
                 raise ValueError(f"PLE table has {table.rows} rows, the hash needs {hasher.table_rows}")
         self._step = jax.jit(functools.partial(_step, self._graphdef), donate_argnums=(2,))
         self._mtp_step = jax.jit(functools.partial(_mtp_step, self._graphdef), donate_argnums=(3,))
+        # Over a mesh (strata_jax/model/expert_parallel.py): experts split, the rest replicated, every step a
+        # shard_map whose MoE layers sum their devices' experts. The engine's runner shards its own steps by slot.
+        self.mesh = mesh
+        self.expert_exchange = expert_exchange
+        if mesh is not None:
+            shard_state(self._state, mesh)
+            self._step = jax.jit(functools.partial(replicated_call, _step, self._graphdef, mesh, expert_exchange),
+                                 donate_argnums=(2,))
+            self._mtp_step = jax.jit(functools.partial(replicated_call, _mtp_step, self._graphdef, mesh,
+                                                       expert_exchange), donate_argnums=(3,))
 
     # -- pieces the serving engine builds its own jitted steps from ------------------------------------------
     @property
@@ -189,6 +204,11 @@ def load_model(
     gpu_experts: int | None = None,
     host_kernel: str = "xla",
     host_workers: int | None = None,
+    mesh: Mesh | None = None,
+    expert_exchange: str = "gather",
+    host_path: str = "compute",
+    copy_slots: int | None = None,
+    prefill_copy_slots: int | None = None,
 ) -> LoadedModel:
     """Loads a Hugging Face checkpoint directory (config.json + safetensors [+ index] + tokenizer files), or a
     directory written by `python -m strata_jax quantize` (its experts stay packed as converted).
@@ -201,12 +221,23 @@ def load_model(
     None (or >= the number of experts): every expert on the device.
     host_kernel / host_workers: the host experts' implementation ("xla", compiled by XLA:CPU, or "numpy", the
     reference) and threads (None: from the CPU quota granted), for the model's `HostPool` (`LoadedModel.host_pool`).
+    mesh: a `data` x `expert` jax Mesh (`strata_jax.engine.mesh.MeshConfig.make()`): routed experts (or the device
+    pool of `gpu_experts`, which must then split evenly) divided over its `expert` axis, dense weights replicated;
+    `expert_exchange` ("gather" or "all_to_all") is how the engine's decode and verify steps move tokens to them.
+    The weights are loaded as without a mesh, then placed.
+    host_path: how experts outside the pool are served: "compute" (on the host CPU, above) or "stream" (kept in
+    pinned host memory and copied into the step; `copy_slots` / `prefill_copy_slots`: its staging rows, None: sized
+    per call). See `ExpertQuantization` and `strata_jax.model.expert_stream`.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if quantize not in (None, "1bit"):
         raise ValueError(f"quantize must be None or '1bit', got {quantize!r}")
     path = Path(path)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, dtype, quantize, planes, group, gpu_experts, host_kernel, host_workers, mesh,
+                          expert_exchange, dict(host_path=host_path, copy_slots=copy_slots,
+                                                prefill_copy_slots=prefill_copy_slots))
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     started = time.monotonic()
@@ -214,16 +245,18 @@ def load_model(
     jdtype = _DTYPES[dtype]
     pool = HostPool(kernel=host_kernel, workers=host_workers)
     host_experts = functools.partial(HostTier, pool=pool)
+    paths = dict(host_path=host_path, copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots)
     if is_converted(path):
         meta = read_marker(path)
-        quant = ExpertQuantization(planes=meta["planes"], group=meta["group"], gpu_experts=gpu_experts)
+        quant = ExpertQuantization(planes=meta["planes"], group=meta["group"], gpu_experts=gpu_experts, **paths)
         with_mtp = (path / "params" / "mtp").is_dir()
         model = nnx.eval_shape(lambda: CausalLM(config, jdtype, with_mtp=with_mtp, quant=quant,
                                                 host_experts=host_experts))
         restore_params(model, path)
         reader = CheckpointReader(path) if config.ple_layers else None
     else:
-        quant = ExpertQuantization(planes=planes, group=group, gpu_experts=gpu_experts) if quantize == "1bit" else None
+        quant = (ExpertQuantization(planes=planes, group=group, gpu_experts=gpu_experts, **paths)
+                 if quantize == "1bit" else None)
         if quant is None and gpu_experts is not None:
             raise ValueError("gpu_experts needs packed experts (quantize='1bit' or a converted checkpoint)")
         reader = CheckpointReader(path)
@@ -239,4 +272,24 @@ def load_model(
         tokenizer = load_tokenizer(path)
     if sys.stderr.isatty():
         print(f"loaded {path} ({config.family}, {dtype}) in {time.monotonic() - started:.1f}s", file=sys.stderr)
-    return LoadedModel(path, config, model, jdtype, tables, tokenizer, host_pool=pool)
+    return LoadedModel(path, config, model, jdtype, tables, tokenizer, host_pool=pool, mesh=mesh,
+                       expert_exchange=expert_exchange)
+
+
+def _load_gguf(path: Path, dtype: str, quantize: str | None, planes: int, group: int, gpu_experts: int | None,
+               host_kernel: str, host_workers: int | None, mesh: Mesh | None, expert_exchange: str,
+               paths: dict) -> LoadedModel:
+    """`load_model` for a llama.cpp GGUF file (or split set): see `strata_jax.weights.gguf_loader`."""
+    from strata_jax.weights.gguf_loader import build_from_gguf
+
+    started = time.monotonic()
+    pool = HostPool(kernel=host_kernel, workers=host_workers)
+    built = build_from_gguf(path, _DTYPES[dtype], quantize, planes=planes, group=group, gpu_experts=gpu_experts,
+                            host_experts=functools.partial(HostTier, pool=pool), quant_options=paths)
+    loaded = LoadedModel(path, built.config, built.model, _DTYPES[dtype], built.ple_tables, built.tokenizer,
+                         host_pool=pool, mesh=mesh, expert_exchange=expert_exchange, ple_hashers=built.ple_hashers)
+    loaded.gguf_report = built.report
+    if sys.stderr.isatty():
+        print(f"loaded {path} (GGUF, {built.config.family}, {dtype}) in {time.monotonic() - started:.1f}s",
+              file=sys.stderr)
+    return loaded

@@ -78,6 +78,56 @@ engine.shutdown()
 """
 
 
+STANDALONE = r"""
+import os, subprocess, sys, threading, time
+import numpy as np
+import jax
+import strata_jax
+from strata_jax.demo import DEMO_MODEL
+from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.runner import ModelRunner, RunnerModel
+from strata_jax.engine.steps import greedy_sampling
+calls, limit, chunk = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+model = strata_jax.load_model(DEMO_MODEL)
+runner = ModelRunner(RunnerModel.of(model),
+                     EngineConfig(slots=1, max_context=65536, prefill_chunks=(chunk,), draft="none"))
+state = {"call": -1, "since": time.monotonic()}
+
+def watch():
+    while True:
+        time.sleep(1)
+        if time.monotonic() - state["since"] > (limit if state["call"] > 0 else 900):  # call 0 compiles
+            gdb = ["timeout", "-s", "KILL", "300", "gdb", "-p", str(os.getpid()), "-batch", "-ex",
+                   "thread apply all bt 30"]
+            path = f"/tmp/hang-standalone-{os.getpid()}.txt"
+            try:
+                dump = subprocess.run(gdb, capture_output=True, text=True)
+                open(path, "w").write(dump.stdout + dump.stderr)
+            except OSError as exc:  # no gdb (or no timeout) here: the hang is still reported
+                path = f"no stacks: {exc}"
+            print(f"HUNG in call {state['call']} ({limit:.0f}s; stacks in {path})", flush=True)
+            os._exit(3)
+
+threading.Thread(target=watch, daemon=True).start()
+rng = np.random.default_rng(0)
+per_prompt = 65536 // chunk - 1
+times = []
+for i in range(calls):
+    if i % per_prompt == 0:
+        runner.reset(0)
+    jax.block_until_ready(runner.cache)  # every input of the next call is ready before it is launched
+    tokens = rng.integers(0, 1000, (1, chunk)).astype(np.int32)
+    state["call"], state["since"] = i, time.monotonic()
+    t0 = time.perf_counter()
+    rows, _ = model.ple_inputs(model.ple_context([]), tokens, np.array([chunk], np.int32))
+    runner.prefill([0], tokens, [chunk], [-1], rows, greedy_sampling(1))
+    times.append(time.perf_counter() - t0)
+    if i < 2 or i % 25 == 0:
+        print(f"call {i}: {times[-1]:.2f}s", flush=True)
+print(f"ok: {calls} calls, median {np.median(times[1:]):.2f}s, max {max(times[1:]):.2f}s", flush=True)
+"""
+
+
 def _serve_once(args, env) -> str:
     """One server run: start, wait for `listening on`, send the requests at once; raises TimeoutExpired."""
     import json
@@ -152,6 +202,10 @@ def main() -> None:
     ap.add_argument("--stuck-wait", type=int, default=120,
                     help="--long: seconds to wait after a watchdog trip for the step to come back (default 120)")
     ap.add_argument("--sync-dispatch", action="store_true", help="--long with asynchronous dispatch off")
+    ap.add_argument("--standalone", type=int, default=0, metavar="CALLS",
+                    help="no engine: one thread calls the compiled demo prefill (one slot of 65,536 tokens) CALLS "
+                         "times, each after its inputs are ready; a call past --timeout counts as hung (gdb stacks)")
+    ap.add_argument("--chunk", type=int, default=2048, help="--standalone: the prefill chunk (default 2048)")
     args = ap.parse_args()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     if args.eigen_single:
@@ -169,6 +223,14 @@ def main() -> None:
             try:
                 if args.serve:
                     print(f"run {i}: {_serve_once(args, env)} ({time.monotonic() - t0:.0f}s)", flush=True)
+                    continue
+                if args.standalone:
+                    r = subprocess.run([sys.executable, "-c", STANDALONE, str(args.standalone), str(args.timeout),
+                                        str(args.chunk)], env=env, capture_output=True, text=True,
+                                       timeout=args.timeout * args.standalone + 1800)
+                    hangs += "HUNG" in r.stdout
+                    tail = (r.stdout.strip().splitlines() or [r.stderr.strip()[-300:]])[-1]
+                    print(f"run {i}: {tail} ({time.monotonic() - t0:.0f}s)", flush=True)
                     continue
                 if args.long:
                     mode = "sync" if args.sync_dispatch else "async"

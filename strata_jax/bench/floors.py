@@ -147,9 +147,11 @@ def count_kernels(hlo_text: str) -> int:
     return sum(kernel_ops(hlo_text).values())
 
 
-def step_bytes(cfg: ModelConfig, model, slots: int, fill: int, tokens_per_slot: int = 1) -> dict[str, float]:
+def step_bytes(cfg: ModelConfig, model, slots: int, fill: int, tokens_per_slot: int = 1,
+               kv_quantized: bool = False) -> dict[str, float]:
     """The fewest bytes one step must read (and write, for recurrent state) when it feeds `tokens_per_slot` tokens
-    to each of `slots` slots (1: decode; k+1: a verify window)."""
+    to each of `slots` slots (1: decode; k+1: a verify window). `kv_quantized`: K and V in one byte (int8 / fp8)
+    with a float32 scale per position and kv head."""
     dense = experts_per_layer = expert_layers = 0
     for path, node in nnx.iter_graph(model):
         if isinstance(node, QuantizedExperts):
@@ -163,7 +165,8 @@ def step_bytes(cfg: ModelConfig, model, slots: int, fill: int, tokens_per_slot: 
     distinct = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** (slots * tokens_per_slot))
     n_attn = cfg.layer_types.count("full_attention")
     n_lin = cfg.num_layers - n_attn
-    kv_tok = 2 * cfg.num_kv_heads * cfg.head_dim * 2 + (cfg.indexer_head_dim * 2 if cfg.qsa else 0)
+    kv_value = 2 * cfg.num_kv_heads * (cfg.head_dim + 4 if kv_quantized else cfg.head_dim * 2)  # K and V
+    kv_tok = kv_value + (cfg.indexer_head_dim * 2 if cfg.qsa else 0)
     state = cfg.linear_num_v_heads * cfg.linear_k_dim * cfg.linear_v_dim * 4
     return {
         "dense": dense,

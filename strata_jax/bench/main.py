@@ -26,9 +26,14 @@ host round trip), the bytes the step must read and their time at the copy bandwi
 the kernels the compiled step launches (from its HLO) times ~5 us each, and the fraction of the floor reached.
 Mode `prefill`: time to first token and prompt tok/s by prompt length (`--prompt-lengths`) on one slot of `--ctx`,
 against the compute floor (matmul FLOPs over the bf16 rate measured in the same run; strata_jax/bench/prefill.py).
+Mode `agents`: N concurrent coding-agent sessions shaped like Claude Code's (a shared ~20-27K-token first turn,
+then turns appending tool results): TTFT by turn kind, decode while others prefill, aggregate tok/s, prefix-cache
+hits and snapshot costs (strata_jax/bench/agents.py).
 Mode `fuzz`: seeded hostile bodies, bad credentials and a disconnect soak against a real `serve` process (the demo
 model unless `--model-dir`): status classes, 5xx, engine errors leaked to a stream alongside, leaked slots
 (strata_jax/bench/fuzz.py).
+Mode `gguf`: writes a random-weight llama.cpp GGUF at --preset shapes (Q1_0 experts, BF16 dense), times
+`load_model` of it and of the same model converted to our format, and decode tok/s from it (strata_jax/bench/gguf.py).
 """
 
 from __future__ import annotations
@@ -48,13 +53,17 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.cli_help import DefaultsFormatter
+from strata_jax.engine.config import EngineConfig
+from strata_jax.bench.agents import agents_args, print_agents_table, run_agents
 from strata_jax.bench.attention import attention_args, print_attention_table, run_attention
 from strata_jax.bench.fuzz import fuzz_args, print_fuzz_report, run_fuzz
+from strata_jax.bench.gguf import gguf_args, print_gguf_table, run_gguf
 from strata_jax.bench.prefill import prefill_args, print_prefill_table, run_prefill
 from strata_jax.bench.deltanet import deltanet_args, print_deltanet_table, run_deltanet
 from strata_jax.bench.hyper import hyper_args, print_hyper_table, run_hyper
 from strata_jax.bench.host import host_args, print_host_table, print_roundtrip_table, run_host_layer, run_roundtrip
 from strata_jax.bench.tier import print_tier_table, run_tier, tier_args
+from strata_jax.bench.mesh import mesh_args, print_mesh_table, run_mesh_bench
 from strata_jax.bench.users import bench_model, print_users_table, run_users, users_args
 from strata_jax.demo import DEMO_MODEL
 from strata_jax.model.config import ExpertQuantization
@@ -62,7 +71,7 @@ from strata_jax.engine.steps import (
     decode_args, decode_step, flat_weights, greedy_sampling, jit_step, verify_args, verify_step,
 )
 from strata_jax.bench.floors import LAUNCH_US, copy_bandwidth, kernel_ops, step_bytes
-from strata_jax.model.cache import ModelCache
+from strata_jax.model.cache import ModelCache, kv_dtype_of
 from strata_jax.model.hyper import prefold_hyper_connections
 from strata_jax.bench.synthetic import PRESETS, preset_config, random_cache, synthetic_model
 
@@ -130,20 +139,22 @@ def run_step_bench(args) -> list[dict]:
         return verify_args(tokens, np.full((s,), window), greedy_sampling(s))
 
     def compile_one(job):
-        kind, s = job
-        cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, jnp.bfloat16))
+        kind, s, kv = job
+        cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv)))
         t0 = time.monotonic()
         fn = decode if kind == "decode" else verify
         compiled = fn.lower(weights, cache, *inputs(kind, s)).compile()
-        print(f"compiled {kind}[{s}] in {time.monotonic() - t0:.0f}s", flush=True)
+        print(f"compiled {kind}[{s}]{_kv_label(kv)} in {time.monotonic() - t0:.0f}s", flush=True)
         return job, compiled, time.monotonic() - t0
 
-    jobs = [("decode", s) for s in args.slots] + [("verify", s) for s in args.verify_slots]
+    # One row per (step, slots) and KV cache dtype (--cache-dtype bf16,int8,fp8).
+    jobs = [(kind, s, kv) for kv in args.cache_dtypes
+            for kind, s in [("decode", s) for s in args.slots] + [("verify", s) for s in args.verify_slots]]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         compiled = {job: (c, dt) for job, c, dt in pool.map(compile_one, jobs)}
     rows, decode_ms = [], {}
-    for kind, s in jobs:
-        fn, compile_s = compiled[(kind, s)]
+    for kind, s, kv in jobs:
+        fn, compile_s = compiled[(kind, s, kv)]
         hlo = fn.as_text()
         ops = kernel_ops(hlo)
         kernels = sum(ops.values())
@@ -151,7 +162,7 @@ def run_step_bench(args) -> list[dict]:
             os.makedirs(args.dump_hlo, exist_ok=True)
             with open(os.path.join(args.dump_hlo, f"{kind}_{s}.hlo.txt"), "w") as f:
                 f.write(hlo)
-        cache = random_cache(cfg, s, args.ctx, args.fill, jnp.bfloat16)
+        cache = random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv))
         device_ms, loop_ms, cache = _time_step(fn, weights, cache, inputs(kind, s), args.steps)
         if args.profile:  # a few more steps under the profiler, as a Perfetto trace (kernel names = HLO fusions)
             ins = inputs(kind, s)
@@ -161,30 +172,41 @@ def run_step_bench(args) -> list[dict]:
                 jax.block_until_ready(cache)
         del cache
         per_slot = 1 if kind == "decode" else window
-        parts = step_bytes(cfg, model, s, args.fill, tokens_per_slot=per_slot)
+        parts = step_bytes(cfg, model, s, args.fill, tokens_per_slot=per_slot, kv_quantized=kv_dtype_of(kv) is not None)
         total = sum(parts.values())
         mem_ms = total / bw * 1e3
         launch_ms = kernels * LAUNCH_US / 1e3
         floor_ms = max(mem_ms, launch_ms)
         row = {
-            "kind": kind, "slots": s, "tokens_per_slot": per_slot, "device_ms": device_ms, "loop_ms": loop_ms,
+            "kind": kind, "slots": s, "cache_dtype": kv or "bfloat16", "tokens_per_slot": per_slot,
+            "device_ms": device_ms, "loop_ms": loop_ms,
             "tok_s": s / loop_ms * 1e3, "bytes_gb": total / 1e9, "bytes": parts, "mem_floor_ms": mem_ms,
             "kernels": kernels, "kernels_by_op": ops, "launch_floor_ms": launch_ms, "floor_ms": floor_ms,
             "fraction_of_floor": floor_ms / device_ms, "compile_s": compile_s,
         }
         if kind == "decode":
-            decode_ms[s] = loop_ms
-        elif s in decode_ms:
-            row["verify_over_decode"] = loop_ms / decode_ms[s]
+            decode_ms[(s, kv)] = loop_ms
+        elif (s, kv) in decode_ms:
+            row["verify_over_decode"] = loop_ms / decode_ms[(s, kv)]
             row["tok_s_at_acceptance"] = {
                 str(a): s * expected_tokens(a, args.draft_k) / loop_ms * 1e3 for a in (0.5, 0.75, 0.9)
             }
         rows.append(row)
-        print(f"{kind}[{s}]: {device_ms:.2f} ms/call device, {loop_ms:.2f} ms with host sync, "
+        print(f"{kind}[{s}]{_kv_label(kv)}: {device_ms:.2f} ms/call device, {loop_ms:.2f} ms with host sync, "
               f"{kernels} kernels", flush=True)
         if args.json:
             _write_json(args.json, [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows])
     return [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows]
+
+
+def _kv_label(kv: str | None) -> str:
+    return f" ({kv} KV)" if kv else ""
+
+
+def _cache_dtypes(kv: str | None) -> tuple:
+    """(cache dtype, KV storage dtype) of the step benchmark's bf16 model for a --cache-dtype name."""
+    quantized = kv_dtype_of(kv)
+    return (jnp.dtype(kv) if kv and quantized is None else jnp.bfloat16), quantized
 
 
 def run_quant_effect(args) -> list[dict]:
@@ -254,14 +276,15 @@ def run_load_times(args) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| step | slots | ms (device) | ms (+host sync) | tok/s | GB read | mem floor ms | kernels "
+    print("\n| step | slots | KV | ms (device) | ms (+host sync) | tok/s | GB read | mem floor ms | kernels "
           "| launch floor ms | floor / time | verify / decode | tok/s at 50/75/90% acceptance |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['verify_over_decode']:.2f}x" if "verify_over_decode" in r else "-"
         acc = " / ".join(f"{v:.0f}" for v in r["tok_s_at_acceptance"].values()) if "tok_s_at_acceptance" in r else "-"
         name = r["kind"] if r["kind"] == "decode" else f"verify[{r['tokens_per_slot']}]"
-        print(f"| {name} | {r['slots']} | {r['device_ms']:.2f} | {r['loop_ms']:.2f} | {r['tok_s']:.0f} "
+        kv = r.get("cache_dtype", "bfloat16")
+        print(f"| {name} | {r['slots']} | {kv} | {r['device_ms']:.2f} | {r['loop_ms']:.2f} | {r['tok_s']:.0f} "
               f"| {r['bytes_gb']:.2f} | {r['mem_floor_ms']:.2f} | {r['kernels']} | {r['launch_floor_ms']:.2f} "
               f"| {r['fraction_of_floor']:.0%} | {ratio} | {acc} |")
 
@@ -282,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "shows the seed system's published RTX 5090 figures beside them, labelled as such.\n\n"
         "modes (--mode):\n"
         "  users      N concurrent users streaming a coding prompt (the seed system's scenario; default)\n"
+        "  agents     N concurrent multi-turn coding-agent sessions sharing a long system prompt\n"
         "  prefill    time to first token by prompt length, against the measured matmul roof\n"
         "  step       the decode (and verify) step of a synthetic model at real shapes, against its floors\n"
         "  tier       decode with experts split between the GPU and the host under VRAM budgets\n"
@@ -292,14 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
         "  attention  one decode-attention call per implementation\n"
         "  quant      how 1-4 expert bit-planes change a checkpoint's logits\n"
         "  load       quantize-on-load against restoring a converted directory\n"
-        "  fuzz       hostile bodies against a real server\n\n"
+        "  fuzz       hostile bodies against a real server\n"
+        "  gguf       load a llama.cpp GGUF at real shapes (and our format), decode from it\n"
+        "  mesh       the decode step over a device mesh (--devices) against the step without one\n\n"
         "Run `python -m strata_jax.bench --mode MODE` with that mode's options; strata_jax/bench/main.py's "
         "docstring says more about each.",
         formatter_class=DefaultsFormatter,
     )
     run = p.add_argument_group("what to run")
     run.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
-                                         "hyper", "attention", "fuzz", "prefill"],
+                                         "hyper", "attention", "fuzz", "prefill", "agents", "mesh",
+                                         "gguf"],
                      default="users", help="what to measure (the list above)")
     run.add_argument("--json", help="also write the rows as JSON to this file (default: not written)")
     model = p.add_argument_group("model and shapes (shared by several modes)")
@@ -315,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "while a server allocates far more, e.g. 65536: costs that grow with the allocation "
                             "show with it)")
     model.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
+    model.add_argument("--cache-dtype", default=None, metavar="DTYPE[,DTYPE...]",
+                       help="KV cache dtype: bf16, float32, int8 or fp8 (EngineConfig.cache_dtype; int8 / fp8 "
+                            "quantize K and V with a scale per position and kv head). Step mode takes a comma "
+                            "list (one row per dtype); users and prefill modes one. Default: the weights' dtype")
     model.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     model.add_argument("--planes", type=int, default=1, help="expert bit-planes")
     model.add_argument("--group", type=int, default=128, help="inputs per expert scale")
@@ -322,6 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--bandwidth-gib", type=float, default=None,
                        help="size of the copy-bandwidth probe that floors are measured against (default: 2 GiB, or "
                             "an eighth of the free memory where it runs if that is less)")
+    devices = p.add_argument_group("several devices (users and mesh modes; strata_jax/engine/mesh.py)")
+    which = devices.add_mutually_exclusive_group()
+    which.add_argument("--devices", type=int, default=None, metavar="N",
+                       help="experts split over N devices, slots over them too (default: one device, no mesh)")
+    which.add_argument("--mesh", default=None, metavar="SPEC",
+                       help="users mode: a data x expert mesh, data=D,expert=E or DxE (default: one device, no mesh)")
+    devices.add_argument("--expert-exchange", choices=["gather", "all_to_all"], default="gather",
+                         help="users mode over a mesh: how decode and verify move tokens to the experts")
+    mesh_args(p)
     step = p.add_argument_group("step mode")
     step.add_argument("--verify-slots", default="1,4,8",
                       help="slot counts for which a verify call of draft-k+1 tokens is timed too ('' = none)")
@@ -344,24 +384,40 @@ def build_parser() -> argparse.ArgumentParser:
     attention_args(p.add_argument_group("attention mode"))
     fuzz_args(p)  # adds its own "fuzz mode" group
     prefill_args(p)  # adds its own "prefill mode" group
+    agents_args(p)  # adds its own "agents mode" group
+    gguf_args(p)  # adds its own "gguf mode" group
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.mode in ("users", "prefill") and args.model_dir is None and args.preset is None:
+    if args.mode in ("users", "prefill", "agents") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
     args.preset = args.preset or "flash-next-125b"
-    if args.mode not in ("users", "prefill") and args.ctx is None:
+    if args.mode not in ("users", "prefill", "agents") and args.ctx is None:
         args.ctx = 4096
     args.slots = [int(s) for s in args.slots.split(",")]
     args.verify_slots = [int(s) for s in args.verify_slots.split(",") if s]
+    try:
+        args.cache_dtypes = [EngineConfig(cache_dtype=d).cache_dtype if d else None
+                             for d in (args.cache_dtype or "").split(",")]
+    except ValueError as e:
+        p.error(f"--cache-dtype: {e}")
+    if len(args.cache_dtypes) > 1 and args.mode != "step":
+        p.error("--cache-dtype takes a list in step mode only")
+    args.cache_dtype = args.cache_dtypes[0]
     args.users = [int(u) for u in args.users.split(",")]
     if args.mode == "prefill":  # TTFT by prompt length against the compute floor (strata_jax/bench/prefill.py)
         args.users, args.prompt_tokens, args.gen_tokens = [1], max(args.prompt_lengths), 1
         rows = run_prefill(args, bench_model(args))
         print_prefill_table(rows)
+    elif args.mode == "gguf":  # a llama.cpp GGUF at real shapes: write, load, convert, decode (bench/gguf.py)
+        rows = run_gguf(args)
+        print_gguf_table(rows)
+    elif args.mode == "agents":  # multi-turn agent sessions sharing a prefix (strata_jax/bench/agents.py)
+        rows = run_agents(args, bench_model(args))
+        print_agents_table(rows)
     elif args.mode == "fuzz":  # hostile bodies against a real server (strata_jax/bench/fuzz.py)
         report = run_fuzz(args)
         print_fuzz_report(report)
@@ -391,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "attention":  # one decode-attention call, jnp vs the Pallas kernel
         rows = run_attention(args)
         print_attention_table(rows)
+    elif args.mode == "mesh":  # the decode step over a device mesh against no mesh (strata_jax/bench/mesh.py)
+        rows = run_mesh_bench(args)
+        print_mesh_table(rows)
     else:
         rows = run_step_bench(args)
         print_table(rows)

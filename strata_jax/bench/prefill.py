@@ -75,7 +75,8 @@ def run_prefill(args: argparse.Namespace, model) -> list[dict]:
     print(f"prefill: bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; 1 slot x {ctx} tokens, chunks "
           f"{args.prefill_chunks}", flush=True)
     engine = Engine(model, EngineConfig(slots=1, max_context=ctx, prefill_chunks=args.prefill_chunks,
-                                        prefix_cache_mib=args.prefix_cache_mib, overlap_steps=False))
+                                        prefix_cache_mib=args.prefix_cache_mib, overlap_steps=False,
+                                        cache_dtype=getattr(args, "cache_dtype", None)))
     engine.start()
     rows = []
     rng = np.random.default_rng(0)

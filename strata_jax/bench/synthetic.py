@@ -127,17 +127,21 @@ def _generator(shape: tuple[int, ...], dtype_name: str, kind: str):
     return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype))
 
 
-def random_cache(cfg, slots, ctx, fill, dtype):
+def random_cache(cfg, slots, ctx, fill, dtype, kv_dtype=None):
     """A slot cache of `slots` x `ctx` positions with random contents (never time on zeros) and `fill` tokens in
-    every slot."""
-    cache = init_cache(cfg, slots, ctx, dtype)
+    every slot. `kv_dtype`: K and V stored quantized (int8 / float8_e4m3fn, `init_cache`), random bytes too."""
+    cache = init_cache(cfg, slots, ctx, dtype, kv_dtype=kv_dtype)
     key = jax.random.key(7)
     leaves, tree = jax.tree_util.tree_flatten(cache)
-    leaves = [
-        (jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) * 0.1).astype(x.dtype)
-        if jnp.issubdtype(x.dtype, jnp.floating)
-        else x
-        for i, x in enumerate(leaves)
-    ]
+
+    def fill_random(i, x):
+        k = jax.random.fold_in(key, i)
+        if x.dtype == jnp.int8:  # quantized K / V
+            return jax.random.randint(k, x.shape, -127, 128, jnp.int32).astype(x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return (jax.random.normal(k, x.shape, jnp.float32) * 0.1).astype(x.dtype)
+        return x
+
+    leaves = [fill_random(i, x) for i, x in enumerate(leaves)]
     cache = jax.tree_util.tree_unflatten(tree, leaves)
     return cache.replace(lengths=jnp.full((slots,), fill, jnp.int32))

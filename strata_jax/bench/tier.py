@@ -7,6 +7,13 @@ distribution over a random permutation of each layer's experts), after hot-exper
 
 Distinct compiled shapes: one decode step per (pool size, slot count); router biases and placement only change
 array values.
+
+`--host-path stream` serves the experts outside the pool from pinned host memory inside the step instead
+(strata_jax/model/expert_stream.py; the pool shrinks by the staging rows' room, `planner.stream_plan`), with
+`--copy-slots` staging rows per decode round (auto: sized per call); `--compute-budgets` adds host-compute rows
+at those budgets as the baseline. Rows then also report the MB copied over PCIe and the experts staged per step.
+`--prefill-tokens N` also times an N-token prompt (chunks of `--prefill-chunk`, one slot, the engine's prefill
+step) on every streaming or all-resident model.
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ from strata_jax.loaded_model import LoadedModel
 from strata_jax.model.config import ExpertQuantization
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
-from strata_jax.engine.planner import MIB, MemoryPlan, device_memory, make_plan
-from strata_jax.engine.steps import decode_step, jit_step
+from strata_jax.engine.planner import MIB, MemoryPlan, device_memory, make_plan, stream_plan
+from strata_jax.engine.steps import decode_step, greedy_sampling, jit_step, prefill_args, prefill_step
+from strata_jax.model.cache import init_cache
 from strata_jax.host.pool import HostPool, check_kernel
-from strata_jax.model.moe import add_routing_bias
+from strata_jax.model.moe import QuantizedExperts, add_routing_bias
 from strata_jax.bench.synthetic import preset_config, random_cache, synthetic_model
 
 FRACTIONS = {"all": 1.0, "half": 0.5, "quarter": 0.25}
@@ -74,9 +82,11 @@ def _plan(cfg, quant, engine: EngineConfig, mib: int, reserve_mib: int) -> Memor
                      suggest=False)
 
 
-def _build(cfg, quant: ExpertQuantization, gpu_experts: int, dtype, host_kernel: str):
+def _build(cfg, quant: ExpertQuantization, gpu_experts: int, dtype, host_kernel: str, host_path: str = "compute",
+           copy_slots: int | None = None, prefill_copy_slots: int | None = None):
     q = ExpertQuantization(quant.planes, quant.group, quant.impl,
-                           gpu_experts=None if gpu_experts >= cfg.num_experts else gpu_experts)
+                           gpu_experts=None if gpu_experts >= cfg.num_experts else gpu_experts, host_path=host_path,
+                           copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots)
     pool = HostPool(kernel=host_kernel)
     model = synthetic_model(cfg, dtype, q, host_pool=pool)
     add_routing_bias(model)
@@ -93,7 +103,10 @@ def run_tier(args) -> list[dict]:
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     # A budget is planned for the largest slot count that fits it, as `serve --slots N` would, and that pool serves
     # the smaller slot counts too (larger ones are refused rows). Models are shared by pool size.
-    jobs: dict[int, list[tuple[str, int, int, MemoryPlan]]] = {}
+    paths = args.host_path.split(",")
+    compute_at = set(args.compute_budgets.split(",")) if args.compute_budgets else set()
+    copy_slots = [None if c == "auto" else int(c) for c in args.copy_slots.split(",")]
+    jobs: dict[tuple[int, str, int | None, int | None], list[tuple[str, int, int, MemoryPlan]]] = {}
     rows = []
     for label in args.budgets.split(","):
         for top in sorted(args.slots, reverse=True):
@@ -106,18 +119,54 @@ def run_tier(args) -> list[dict]:
                 continue
             if label in FRACTIONS:  # exactly that share (MiB rounding may add a few small experts)
                 plan = dataclasses.replace(plan, gpu_experts=math.ceil(FRACTIONS[label] * cfg.num_experts))
-            for s in sorted(x for x in args.slots if x <= top):
-                jobs.setdefault(plan.gpu_experts, []).append((label, mib, s, plan))
+            for path in paths + (["compute"] if label in compute_at and "compute" not in paths else []):
+                pool, slots_choices, chunk_slots = plan.gpu_experts, [None], None
+                if path == "stream" and plan.gpu_experts < cfg.num_experts:
+                    slots_choices = copy_slots
+                    if label not in FRACTIONS:  # a card size: the staging's room comes out of the pool
+                        streaming = stream_plan(plan, engine, "gpu", "stream")
+                        print(f"budget {label}: {streaming.reason}", flush=True)
+                        if streaming.host_path != "stream":
+                            continue
+                        pool, chunk_slots = streaming.gpu_experts, streaming.prefill_copy_slots
+                elif path == "stream":
+                    path = "none"  # every expert resident
+                for c in slots_choices:
+                    for s in sorted(x for x in args.slots if x <= top):
+                        jobs.setdefault((pool, path, c, chunk_slots), []).append((label, mib, s, dataclasses.replace(
+                            plan, gpu_experts=pool)))
             break
-    for gpu_experts, entries in sorted(jobs.items(), reverse=True):
-        t0 = time.monotonic()
-        model = _build(cfg, quant, gpu_experts, dtype, host_kernel)
-        print(f"model with {gpu_experts}/{cfg.num_experts} experts per layer on the device built in "
-              f"{time.monotonic() - t0:.0f}s", flush=True)
-        rows += _measure(args, cfg, model, entries, routings, random_cache)
-        del model
-        gc.collect()  # the next model's host stacks (17 GB at Flash-Next shapes) must not coexist with these
+    model, built = None, None
+    for (gpu_experts, path, slots_choice, chunk_slots), entries in sorted(
+            jobs.items(), key=lambda j: (-j[0][0], j[0][1], j[0][3] or 0, j[0][2] or 0)):
+        if built == (gpu_experts, path, chunk_slots):  # the same weights, another copy-slot count: recompile only
+            model = _with_copy_slots(model, slots_choice)
+        else:
+            del model
+            gc.collect()  # the next model's host stacks (17 GB at Flash-Next shapes) must not coexist with these
+            t0 = time.monotonic()
+            model = _build(cfg, quant, gpu_experts, dtype, host_kernel, "compute" if path == "none" else path,
+                           slots_choice, chunk_slots)
+            built = (gpu_experts, path, chunk_slots)
+            print(f"model with {gpu_experts}/{cfg.num_experts} experts per layer on the device ({path}) built in "
+                  f"{time.monotonic() - t0:.0f}s", flush=True)
+        for row in (new := _measure(args, cfg, model, entries, routings, random_cache)):
+            row.update(host_path=path, copy_slots=slots_choice or "auto")
+        rows += new
+        if args.prefill_tokens and path != "compute":
+            rows.append(_time_prefill(args, cfg, model, dict(budget=entries[0][0], budget_mib=entries[0][1],
+                                                             gpu_experts=gpu_experts, experts=cfg.num_experts,
+                                                             host_path=path, copy_slots=slots_choice or "auto")))
     return rows
+
+
+def _with_copy_slots(model: LoadedModel, copy_slots: int | None) -> LoadedModel:
+    """`model`'s weights (shared, not copied) with every streaming layer staging `copy_slots` rows per round."""
+    graph = nnx.merge(model.graphdef, model.state)
+    for _, node in nnx.iter_graph(graph):
+        if isinstance(node, QuantizedExperts) and node.streaming:
+            node.quant = dataclasses.replace(node.quant, copy_slots=copy_slots)
+    return LoadedModel(model.path, model.config, graph, model.dtype, [], None, host_pool=model.host_pool)
 
 
 def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> list[dict]:
@@ -189,31 +238,87 @@ def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, wei
     placement.round(place=False)
     after = placement.stats()
     host_calls, host_s = (b - a for a, b in zip(host_before, model.host_pool.busy()))
+    streamed_mb = (after.get("expert_streamed_bytes_total", 0) - before.get("expert_streamed_bytes_total", 0)) / 1e6
+    staged = after.get("expert_streamed_experts_total", 0) - before.get("expert_streamed_experts_total", 0)
     pairs = after.get("expert_pairs_total", 0) - before.get("expert_pairs_total", 0)
     hits = after.get("expert_gpu_pairs_total", 0) - before.get("expert_gpu_pairs_total", 0)
     step_ms = statistics.median(times) * 1e3
     row.update(step_ms=step_ms, mean_step_ms=statistics.mean(times) * 1e3, tok_s=s / step_ms * 1e3,
                hit_rate=hits / pairs if placement.active and pairs else 1.0,
                promotions=after.get("expert_promotions_total", 0), host_ms=host_s / args.steps * 1e3,
-               host_calls=host_calls / args.steps, host_pairs=(pairs - hits) / args.steps)
+               host_calls=host_calls / args.steps, host_pairs=(pairs - hits) / args.steps,
+               streamed_mb=streamed_mb / args.steps, staged_experts=staged / args.steps)
     print(f"budget {row['budget']} ({row['budget_mib']} MiB, {row['gpu_experts']}/{row['experts']} experts on the "
           f"device), {s} slots, {row['routing']}: {row['tok_s']:.1f} tok/s ({step_ms:.1f} ms/step), hit rate "
           f"{row['hit_rate']:.1%}; host kernel {row['host_kernel']}: {row['host_ms']:.1f} ms/step in "
-          f"{row['host_calls']:.0f} callbacks for {row['host_pairs']:.0f} pairs", flush=True)
+          f"{row['host_calls']:.0f} callbacks for {row['host_pairs']:.0f} pairs; streamed "
+          f"{row['streamed_mb']:.1f} MB per step ({row['staged_experts']:.1f} experts staged)", flush=True)
+    return row
+
+
+def _time_prefill(args, cfg, model: LoadedModel, row: dict) -> dict:
+    """An `args.prefill_tokens`-token prompt on one slot through the engine's prefill step in chunks of
+    `args.prefill_chunk` (warmed once, then timed); returns `row` with the time to the first token and the MB
+    streamed."""
+    graphdef, state = model.graphdef, model.state
+    placement = ExpertPlacement(state, graphdef, PlacementConfig(every=0))
+    step = jit_step(prefill_step, graphdef, state)
+    weights = jax.tree_util.tree_leaves(state)
+    n, c = args.prefill_tokens, args.prefill_chunk
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, -(-n // c) * c).astype(np.int32)
+
+    def prompt() -> float:
+        cache = init_cache(cfg, 1, -(-n // c) * c + 64, model.dtype)
+        t0 = time.perf_counter()
+        for start in range(0, n, c):
+            chunk = tokens[start:start + c][None]
+            last = start + c >= n
+            args_ = prefill_args([0], chunk, [min(c, n - start)], [-1 if last else int(tokens[start + c])],
+                                 greedy_sampling(1), (), model.dtype)
+            out = step(weights, cache, *args_)
+            cache = out[2]
+            placement.store_counts(out[3])
+        np.asarray(out[0])
+        return time.perf_counter() - t0
+
+    prompt()  # compiles
+    placement.round(place=False)
+    before = placement.stats()
+    seconds = prompt()
+    placement.round(place=False)
+    after = placement.stats()
+    streamed_mb = (after.get("expert_streamed_bytes_total", 0) - before.get("expert_streamed_bytes_total", 0)) / 1e6
+    row.update(prefill_tokens=n, prefill_chunk=c, ttft_s=seconds, prefill_streamed_mb=streamed_mb)
+    print(f"budget {row['budget']} ({row['gpu_experts']}/{row['experts']} experts on the device, {row['host_path']}): "
+          f"{n}-token prefill in chunks of {c}: {seconds:.3f} s ({n / seconds:,.0f} tok/s), streamed "
+          f"{streamed_mb:,.1f} MB", flush=True)
     return row
 
 
 def print_tier_table(rows: list[dict]) -> None:
-    print("\n| budget | experts on GPU | slots | routing | host kernel | decode tok/s | ms/step | host ms/step "
-          "(pairs) | GPU hit rate |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| budget | experts on GPU | host path (copy slots) | slots | routing | host kernel | decode tok/s "
+          "| ms/step | host ms/step (pairs) | streamed MB/step (experts) | GPU hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "refused" in r:
-            print(f"| {r['budget']} ({r['budget_mib']} MiB) | refused | {r['slots']} | - | - | - | - | - | - |")
+            print(f"| {r['budget']} ({r['budget_mib']} MiB) | refused | - | {r['slots']} | - | - | - | - | - | - "
+                  "| - |")
             continue
-        print(f"| {r['budget']} ({r['budget_mib']} MiB) | {r['gpu_experts']}/{r['experts']} | {r['slots']} "
+        if "ttft_s" in r:
+            continue
+        print(f"| {r['budget']} ({r['budget_mib']} MiB) | {r['gpu_experts']}/{r['experts']} "
+              f"| {r.get('host_path', 'compute')} ({r.get('copy_slots', '-')}) | {r['slots']} "
               f"| {r['routing']} | {r['host_kernel']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} | {r['host_ms']:.1f} "
-              f"({r['host_pairs']:.0f}) | {r['hit_rate']:.1%} |")
+              f"({r['host_pairs']:.0f}) | {r.get('streamed_mb', 0):.1f} ({r.get('staged_experts', 0):.1f}) "
+              f"| {r['hit_rate']:.1%} |")
+    prefill = [r for r in rows if "ttft_s" in r]
+    if prefill:
+        print("\n| budget | experts on GPU | host path | prompt tokens (chunk) | TTFT s | streamed MB |")
+        print("|---|---|---|---|---|---|")
+        for r in prefill:
+            print(f"| {r['budget']} ({r['budget_mib']} MiB) | {r['gpu_experts']}/{r['experts']} | {r['host_path']} "
+                  f"| {r['prefill_tokens']} ({r['prefill_chunk']}) | {r['ttft_s']:.3f} | "
+                  f"{r['prefill_streamed_mb']:,.1f} |")
 
 
 def tier_args(p) -> None:
@@ -227,3 +332,15 @@ def tier_args(p) -> None:
                    help="tier mode: comma-separated host kernels to time on the same model: xla (compiled by "
                    "XLA:CPU, default) and/or numpy (the reference)")
     p.add_argument("--placement-every", type=int, default=8, help="tier mode: steps between placement rounds")
+    p.add_argument("--host-path", default="compute",
+                   help="tier mode: comma-separated ways to serve the experts outside the pool: compute (the host "
+                   "CPU, default) and/or stream (pinned host memory copied into the step)")
+    p.add_argument("--compute-budgets", default="",
+                   help="tier mode: budgets (as in --budgets) that also get a host-compute row (default: none)")
+    p.add_argument("--copy-slots", default="auto",
+                   help="tier mode, stream: comma-separated staging rows per decode round to compare (default auto: "
+                   "sized per call from its pairs and the pool's share)")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="tier mode: also time a prompt of this many tokens on every streaming or all-resident "
+                   "model (default 0: off)")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="tier mode: prompt chunk for --prefill-tokens")

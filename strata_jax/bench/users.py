@@ -47,7 +47,7 @@ def bench_model(args) -> LoadedModel:
         if args.routing != "uniform":
             raise ValueError("--routing zipf needs a synthetic model (--preset)")
         quant = {"quantize": "1bit", "planes": args.planes, "group": args.group} if args.planes else {}
-        return load_model(args.model_dir, dtype=args.dtype, gpu_experts=gpu_experts, **quant)
+        return load_model(args.model_dir, dtype=args.dtype, gpu_experts=gpu_experts, **quant, **_mesh_kwargs(args))
     cfg = preset_config(args.preset)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     quant = ExpertQuantization(planes=args.planes or 1, group=args.group, impl=args.impl, gpu_experts=gpu_experts)
@@ -55,9 +55,28 @@ def bench_model(args) -> LoadedModel:
     model = synthetic_model(cfg, dtype, quant, host_pool=pool)
     if args.routing != "uniform":
         add_routing_bias(model)
-    loaded = LoadedModel(Path(f"synthetic:{args.preset}"), cfg, model, dtype, [], None, host_pool=pool)
+    loaded = LoadedModel(Path(f"synthetic:{args.preset}"), cfg, model, dtype, [], None, host_pool=pool,
+                         **_mesh_kwargs(args))
     set_routing(loaded.state, args.routing, args.zipf_s)
+    if loaded.mesh is not None:  # the routing bias just set, placed like the rest
+        from strata_jax.model.expert_parallel import shard_state
+
+        shard_state(loaded.state, loaded.mesh)
     return loaded
+
+
+def _mesh_config(args):
+    """--devices / --mesh (strata_jax/engine/mesh.py) as a MeshConfig, or None (one device)."""
+    from strata_jax.engine.mesh import parse_mesh
+
+    return parse_mesh(getattr(args, "devices", None), getattr(args, "mesh", None),
+                      getattr(args, "expert_exchange", "gather"))
+
+
+def _mesh_kwargs(args) -> dict:
+    """load_model's mesh arguments for --devices / --mesh (none without them)."""
+    config = _mesh_config(args)
+    return {} if config is None else {"mesh": config.make(), "expert_exchange": config.exchange}
 
 
 def _planned_pool(args) -> int | None:
@@ -71,9 +90,21 @@ def _planned_pool(args) -> int | None:
 
     cfg = load_config(args.model_dir) if args.model_dir else preset_config(args.preset)
     quant = ExpertQuantization(planes=args.planes or 1, group=args.group)
-    engine = EngineConfig(slots=max(args.users), max_context=users_context(args))
+    engine = EngineConfig(slots=max(args.users), max_context=users_context(args),
+                          cache_dtype=getattr(args, "cache_dtype", None))
     plan = make_plan(cfg, quant, engine, weights_dtype=args.dtype, vram_budget_mib=args.vram_budget_mib,
                      vram_reserve_mib=args.vram_reserve_mib, device=device_memory())
+    mesh = _mesh_config(args)
+    if mesh is not None and mesh.devices > 1:  # each device's budget: the pool is every device's part together
+        from strata_jax.engine.planner import format_device_plan, make_device_plan
+
+        per_device = make_device_plan(cfg, quant, engine, devices=mesh.devices, expert_shards=mesh.expert,
+                                      weights_dtype=args.dtype, vram_budget_mib=args.vram_budget_mib,
+                                      vram_reserve_mib=args.vram_reserve_mib, device=device_memory())
+        print(format_device_plan(per_device), flush=True)
+        if not per_device.fits:
+            raise ValueError(per_device.plan.message)
+        return per_device.gpu_experts
     print(format_plan(plan), flush=True)
     if not plan.fits:
         raise ValueError(plan.message)
@@ -145,7 +176,7 @@ def run_users(args) -> list[dict]:
             config = EngineConfig(slots=users, max_context=ctx, prefill_chunks=args.prefill_chunks, prefix_cache_mib=0,
                                   prefill_batch=args.prefill_batch,
                                   draft=draft if builtin else "none", draft_k=args.draft_k,
-                                  overlap_steps=not args.no_overlap)
+                                  overlap_steps=not args.no_overlap, cache_dtype=getattr(args, "cache_dtype", None))
             engine = Engine(model, config, drafter=None if builtin else _draft_model(draft, model, config, args))
             engine.start()
             try:

@@ -9,6 +9,8 @@ import dataclasses
 AGENT_CONTEXT = 65_536  # the least the default aims for where it fits
 CPU_CONTEXT = 65_536  # no device statistics to plan with; the demo's caches at 4 slots take 160 MiB
 MAX_DEFAULT_CONTEXT = 262_144  # more only on request: prefill attention and its slot copy grow with it
+# EngineConfig.cache_dtype's values (None: the model's dtype); int8 and fp8 quantize the attention K and V only.
+CACHE_DTYPES = (None, "bfloat16", "float32", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,13 +21,15 @@ class EngineConfig:
     prefill_batch: the most prompts prefilled together in one call (each its own chunk, one row of the call): up to
     this many prompts that need a chunk of the same size share a step, in power-of-two groups (each group size is
     compiled for each chunk size). 1 = one prompt per call.
-    prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it).
+    prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it). prefix_cache_device_mib: device memory
+    for the most recently used snapshots (restored device to device; the others go to the host; 0 = none).
     snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
     draft: speculative drafter for every slot: "none", "ngram" (prompt lookup) or "mtp" (the checkpoint's own MTP
     head, chained draft_k times inside each step); draft_k: tokens guessed per step. adaptive_draft: a request whose
     drafts miss 3 verify windows in a row decodes plainly for the next 8 steps (then drafts again).
-    cache_dtype: dtype of KV and conv caches ("bfloat16" / "float32"; None = the model's dtype). Gated DeltaNet
-    recurrent state is always float32.
+    cache_dtype: dtype of KV and conv caches ("bfloat16" (or "bf16") / "float32"; None = the model's dtype), or
+    "int8" / "fp8" (e4m3): attention K and V stored in one byte with a float32 scale per position and kv head (half
+    a bf16 KV cache), the other caches in the model's dtype. Gated DeltaNet recurrent state is always float32.
     overlap_steps: while every running request just decodes (no drafter, no PLE layers, nothing to admit or
     prefill), launch step n+1 on step n's sampled tokens, still on the device, before reading them back: the host's
     per-step work (launch, read-back, stop checks, events) then overlaps the device's. A request that stops at step
@@ -34,6 +38,16 @@ class EngineConfig:
     every request fails with a retryable error and `Engine.health()` turns false until the step returns (0 = off).
     progress_min_tokens: a prompt at least this long logs its prefill progress (logger "strata_jax.engine", INFO) at
     most every progress_every_s seconds, and one line when its first token is out (TTFT, prompt tok/s, cached).
+    Prefill beside decoding slots (strata_jax/engine/prefill_policy.py): mixed_step_ms: while any slot decodes, a
+    prefill call takes a compiled shape whose warm-up call took at most this long (a decoding stream's longest wait
+    for a token, about), the one carrying the most tokens for the prompts waiting; mixed_prefill: the (chunk width,
+    prompts) to take instead.
+    decode_share: while slots decode, prefill gets at most 1 - this of the engine's time (0 = no pacing).
+    prefill_aging_s: waiting prompts run shortest remaining prefill first, a prompt's remaining tokens divided by
+    1 + its seconds since submission / this (nothing starves).
+    share_min_tokens: a prompt admitted while another one prefills the same first (at least this many) tokens waits
+    for that one's snapshot at the point they part, then restores it: a prefix common to many conversations is
+    computed once (0 = off).
     """
 
     slots: int = 4
@@ -41,6 +55,7 @@ class EngineConfig:
     prefill_chunks: tuple[int, ...] = (32, 256)
     prefill_batch: int = 1
     prefix_cache_mib: int = 2048
+    prefix_cache_device_mib: int = 0
     snapshot_every: int = 1024
     cache_dtype: str | None = None
     draft: str = "none"
@@ -50,14 +65,22 @@ class EngineConfig:
     watchdog_s: float = 120.0
     progress_min_tokens: int = 4096
     progress_every_s: float = 2.0
+    mixed_step_ms: float = 100.0
+    mixed_prefill: tuple[int, int] | None = None
+    decode_share: float = 0.7
+    prefill_aging_s: float = 5.0
+    share_min_tokens: int = 1024
 
     def __post_init__(self):
         if self.slots < 1:
             raise ValueError("slots must be >= 1")
         if self.max_context < 2:
             raise ValueError("max_context must be >= 2")
-        if self.cache_dtype not in (None, "bfloat16", "float32"):
-            raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
+        if self.cache_dtype == "bf16":
+            object.__setattr__(self, "cache_dtype", "bfloat16")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {', '.join(map(str, CACHE_DTYPES[1:]))} (or bf16), got "
+                             f"{self.cache_dtype!r}")
         if self.draft not in ("none", "ngram", "mtp"):
             raise ValueError(f"draft must be 'none', 'ngram' or 'mtp', got {self.draft!r}")
         if not 1 <= self.draft_k <= 15:
@@ -71,6 +94,15 @@ class EngineConfig:
         object.__setattr__(self, "prefill_chunks", tuple(sorted(set(self.prefill_chunks))))
         if self.prefill_batch < 1:
             raise ValueError(f"prefill_batch must be >= 1, got {self.prefill_batch}")
+        if self.mixed_prefill is not None:
+            width, prompts = self.mixed_prefill
+            if width not in self.prefill_chunks or prompts not in self.prefill_batches:
+                raise ValueError(f"mixed_prefill {self.mixed_prefill} must be a compiled (chunk, prompts) shape: "
+                                 f"chunks {self.prefill_chunks}, prompts {self.prefill_batches}")
+        if not 0 <= self.decode_share < 1 or not self.mixed_step_ms >= 0 or not self.prefill_aging_s > 0:
+            raise ValueError("decode_share must be in [0, 1), mixed_step_ms >= 0 and prefill_aging_s > 0")
+        if self.share_min_tokens < 0:
+            raise ValueError(f"share_min_tokens must be >= 0, got {self.share_min_tokens}")
         big = self.prefill_chunks[-1]
         if self.snapshot_every % big:
             object.__setattr__(self, "snapshot_every", max(big, self.snapshot_every // big * big))

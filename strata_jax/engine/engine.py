@@ -59,6 +59,7 @@ class Engine:
         self._unavailable = ""  # why submit() refuses requests now ("" = it takes them)
         self._closing = threading.Event()
         self.watchdog_trips = 0
+        self._constraints = None  # constraints.ConstraintCompiler, built at start (or by the first constrained request)
 
     def start(self) -> None:
         """Compiles every step (warm-up, with progress lines) and starts the engine and output threads."""
@@ -70,6 +71,13 @@ class Engine:
         self.compile_seconds = host_seconds + step_seconds
         if self._drafter is not None:
             self._drafter.warm_up()
+        if self.tokenizer is not None:
+            # llguidance's view of the vocabulary takes 2-3.5 s at 248,320 tokens: built here, not by the first
+            # constrained request (every agent request offers tools) while the server's event loop waits.
+            try:
+                self._constraint_compiler()
+            except Exception as exc:  # noqa: BLE001 - the engine serves without; constrained requests get the error
+                print(f"constrained decoding unavailable: {exc}", file=sys.stderr, flush=True)
         self._output.start()
         self._scheduler.start()
         self._started = True
@@ -143,6 +151,7 @@ class Engine:
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         request = GenerationRequest(request.prompt_ids, sampling, request.request_id or uuid.uuid4().hex)
+        matcher = self._matcher(sampling.constraint) if sampling.constraint is not None else None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(31)
@@ -157,8 +166,25 @@ class Engine:
 
         submitted = time.monotonic()
         stream = self._output.open(request, emit, submitted)
-        self._scheduler.add(Job(request=request, stream=stream, seed=int(seed) & 0x7FFFFFFF, submitted=submitted))
+        self._scheduler.add(Job(request=request, stream=stream, seed=int(seed) & 0x7FFFFFFF, submitted=submitted,
+                                matcher=matcher))
         return self._stream(request.request_id, queue)
+
+    def _matcher(self, constraint):
+        """A grammar matcher for a constrained request (strata_jax/engine/constraints.py); ValueError when the model
+        has no tokenizer or the constraint does not compile."""
+        if self.tokenizer is None:
+            raise ValueError("constrained decoding needs the model's tokenizer")
+        return self._constraint_compiler().matcher(constraint)
+
+    def _constraint_compiler(self):
+        """The grammar compiler over this model's vocabulary, built once."""
+        if self._constraints is None:
+            from strata_jax.engine.constraints import ConstraintCompiler
+
+            eos = set(self.model.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+            self._constraints = ConstraintCompiler(self.tokenizer, self.model.config.vocab_size, eos)
+        return self._constraints
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:
         finished = False

@@ -18,6 +18,7 @@ from flax import nnx
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.job import Job
 from strata_jax.engine.placement import ExpertPlacement
+from strata_jax.engine.protocol import TokenLogprob
 from strata_jax.engine.runner import ModelRunner
 from strata_jax.loaded_model import LoadedModel
 
@@ -62,27 +63,31 @@ class StepExecutor:
         if self.placement.active:
             self.runner.weights_changed()
 
-    def chunk_size(self, job: Job) -> int:
-        """The compiled chunk width `job`'s next prompt piece runs in (pieces are cut on the largest chunk's
-        grid)."""
-        n = self._piece_end(job) - job.pos
+    def chunk_size(self, job: Job, limit: int | None = None) -> int:
+        """The compiled chunk width `job`'s next prompt piece runs in (pieces are cut on the grid of the largest
+        chunk, or of `limit`, a compiled width, while slots decode)."""
+        n = self._piece_end(job, limit) - job.pos
         return next(c for c in self.config.prefill_chunks if c >= n)
 
-    def _piece_end(self, job: Job) -> int:
-        return min(len(job.fill), (job.pos // self.config.chunk + 1) * self.config.chunk)
+    def _piece_end(self, job: Job, limit: int | None = None) -> int:
+        grid = limit or self.config.chunk
+        end = min(len(job.fill), (job.pos // grid + 1) * grid)
+        # A piece ends where a snapshot is due (a point where a later prompt parts from this one).
+        return min([end] + [p for p in job.snapshot_at if job.pos < p < end])
 
-    def prefill(self, jobs: list[Job]) -> dict[int, int | None]:
+    def prefill(self, jobs: list[Job], limit: int | None = None) -> dict[int, int | None]:
         """Runs the next prompt piece of each of `jobs` (distinct slots whose pieces take the same chunk width; a
-        power-of-two count from `config.prefill_batches`) in one call. Returns slot -> the token sampled after the
-        prompt's last piece, or None while the prompt goes on.
+        power-of-two count from `config.prefill_batches`) in one call; `limit`: the widest piece (a compiled
+        width; default the largest chunk). Returns slot -> the token sampled after the prompt's last piece, or None
+        while the prompt goes on.
 
         A failure of a call that ran one job is that job's (`Job.Failed`); of a call that ran several,
         `PrefillBatchFailed` (the scheduler runs them alone after it, so that the one at fault fails alone)."""
-        size = self.chunk_size(jobs[0])
+        size = self.chunk_size(jobs[0], limit)
         p = len(jobs)
         tokens = np.zeros((p, size), np.int32)
         n_valid, following = np.zeros(p, np.int32), np.full(p, -1, np.int32)
-        ends = [self._piece_end(job) for job in jobs]
+        ends = [self._piece_end(job, limit) for job in jobs]
         try:
             sampling = self._sampling(jobs, rows=p)
             for i, (job, end) in enumerate(zip(jobs, ends)):
@@ -91,7 +96,9 @@ class StepExecutor:
                 following[i] = job.fill[end] if end < len(job.fill) else -1
             contexts = [np.concatenate(parts) for parts in zip(*(job.ple_ctx for job in jobs))]
             rows, ctx = self.model.ple_inputs(contexts, tokens, n_valid)
-            out = self.runner.prefill([job.slot for job in jobs], tokens, n_valid, following, rows, sampling)
+            masks, wanted = self._grammar(jobs, rows=p, last=[end == len(job.fill) for job, end in zip(jobs, ends)])
+            out = self.runner.prefill([job.slot for job in jobs], tokens, n_valid, following, rows, sampling, masks,
+                                      wanted)
         except Job.Failed:
             raise
         except Exception as e:
@@ -105,6 +112,7 @@ class StepExecutor:
             job.pos, job.consumed = end, end
             job.ple_ctx = [c[i : i + 1] for c in ctx]
             result[job.slot] = None if job.prefilling else int(out.tokens[i])
+        self._read_logprobs(jobs, out.logprobs, wanted, out.tokens, rows=True)
         self.counters["prefill_chunks"] += p
         self.counters["prefill_calls"] += 1
         return result
@@ -117,7 +125,7 @@ class StepExecutor:
             tokens[job.slot], active[job.slot] = job.last_token, True
         rows, new_ctx = self.model.ple_inputs(self._stacked_contexts(jobs), tokens[:, None], active.astype(np.int32))
         self._note_step_start()
-        out = self.runner.decode(tokens, active, rows, self._sampling(jobs))
+        out = self.runner.decode(tokens, active, rows, self._sampling(jobs), *self._grammar(jobs))
         self.after_step("decode", out.counts)
         self._last_decode = time.monotonic()
         self.counters["decode_steps"] += 1
@@ -125,6 +133,7 @@ class StepExecutor:
             job.ple_ctx = [c[job.slot : job.slot + 1] for c in new_ctx]
             job.consumed += 1
             job.device_drafts = [int(t) for t in out.drafts[job.slot]]
+        self._read_logprobs(jobs, out.logprobs, out.logprobs is not None, out.tokens)
         return {job.slot: int(out.tokens[job.slot]) for job in jobs}
 
     def verify(self, jobs: list[Job], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -133,14 +142,18 @@ class StepExecutor:
         s, width = self.config.slots, self.config.draft_k + 1
         tokens = np.zeros((s, width), np.int32)
         n_valid = np.zeros(s, np.int32)
+        masks, wanted = self._grammar(jobs, width=width)
         for job in jobs:
-            window = [job.last_token] + drafts.get(job.slot, [])
+            guesses = drafts.get(job.slot, [])
+            if job.matcher is not None:  # masks along the window; drafts past one the grammar forbids are dropped
+                guesses = guesses[: self._fill(job, lambda m: m.fill_window(guesses, masks[job.slot]))]
+            window = [job.last_token] + guesses
             tokens[job.slot, : len(window)] = window
             n_valid[job.slot] = len(window)
         contexts = self._stacked_contexts(jobs)
         rows, _ = self.model.ple_inputs(contexts, tokens, n_valid)
         self._note_step_start()
-        out = self.runner.verify(tokens, n_valid, rows, self._sampling(jobs))
+        out = self.runner.verify(tokens, n_valid, rows, self._sampling(jobs), masks, wanted)
         self.after_step("verify", out.counts)
         self._last_decode = time.monotonic()
         self.counters["verify_steps"] += 1
@@ -153,6 +166,7 @@ class StepExecutor:
             job.consumed += a + 1
             job.device_drafts = [int(t) for t in out.drafts[job.slot]]
             emitted[job.slot] = [int(t) for t in out.tokens[job.slot, : a + 1]]
+        self._read_logprobs(jobs, out.logprobs, wanted is not None, out.tokens, counts=out.accepted + 1)
         return emitted
 
     def launch(self, jobs: list[Job]) -> tuple[list[Job], np.ndarray] | None:
@@ -212,6 +226,54 @@ class StepExecutor:
         if self._last_decode:
             self.max_stall = max(self.max_stall, time.monotonic() - self._last_decode)
 
+    def _grammar(self, jobs: list[Job], rows: int | None = None, width: int | None = None,
+                 last: list[bool] | None = None) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The step's (token masks, log-probability requests) per slot (`rows` None) or per job in order: None for
+        either when no job needs it (the runner then passes device-resident inputs that do nothing). Masks are
+        [rows, W] or, with `width`, [rows, width, W] with the next token's mask at position 0 (the verify window's
+        other positions are filled by `verify`). `last`: per job, whether this call samples its next token (a
+        prefill call before a prompt's last piece needs no mask)."""
+        n = self.config.slots if rows is None else rows
+        at = [job.slot if rows is None else i for i, job in enumerate(jobs)]
+        sampled = last or [True] * len(jobs)
+        masks = wanted = None
+        if any(job.matcher is not None and s for job, s in zip(jobs, sampled)):
+            shape = (n, width) if width else (n,)
+            masks = np.full(shape + (self.runner.mask_words,), -1, np.int32)
+            for i, job, s in zip(at, jobs, sampled):
+                if job.matcher is not None and s and not width:  # verify fills its windows itself
+                    self._fill(job, lambda m, row=(masks[i, 0] if width else masks[i]): m.fill(row))
+        if any(job.request.sampling.logprobs is not None for job in jobs):
+            wanted = np.zeros(n, bool)
+            for i, job in zip(at, jobs):
+                wanted[i] = job.request.sampling.logprobs is not None
+        return masks, wanted
+
+    @staticmethod
+    def _fill(job: Job, fill):
+        """Runs a mask computation of `job`'s matcher; its failure is the job's alone."""
+        try:
+            return fill(job.matcher)
+        except Exception as e:  # noqa: BLE001 - one grammar must not fail the step that runs everybody
+            raise Job.Failed(job, e) from e
+
+    def _read_logprobs(self, jobs: list[Job], logprobs, wanted, tokens: np.ndarray, rows: bool = False,
+                       counts: np.ndarray | None = None) -> None:
+        """Copies the step's log-probabilities of the jobs that asked into `job.step_logprobs` (one per emitted
+        token; `counts` per slot for a verify window; `rows`: prefill's outputs are per job, not per slot)."""
+        if logprobs is None or wanted is None or wanted is False:
+            return
+        chosen, top_ids, top_lp = (np.asarray(a) for a in logprobs)
+        for i, job in enumerate(jobs):
+            if job.request.sampling.logprobs is None:
+                continue
+            at = i if rows else job.slot
+            if tokens.ndim == 1:
+                job.step_logprobs = [_token_logprob(int(tokens[at]), chosen[at], top_ids[at], top_lp[at])]
+            else:
+                job.step_logprobs = [_token_logprob(int(tokens[at, j]), chosen[at, j], top_ids[at, j], top_lp[at, j])
+                                     for j in range(int(counts[at]))]
+
     def _sampling(self, jobs: list[Job], rows: int | None = None) -> tuple[np.ndarray, ...]:
         """Per-slot sampling arrays [S] (`rows` None), or per-job arrays [rows] in the order of `jobs`."""
         s = self.config.slots if rows is None else rows
@@ -232,3 +294,7 @@ class StepExecutor:
         for job in jobs:
             per_slot[job.slot] = job.ple_ctx
         return [np.concatenate([ctx[i] for ctx in per_slot]) for i in range(len(empty))]
+
+
+def _token_logprob(token: int, logprob, top_ids: np.ndarray, top_lp: np.ndarray) -> TokenLogprob:
+    return TokenLogprob(token, float(logprob), tuple((int(t), float(v)) for t, v in zip(top_ids, top_lp)))

@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-from strata_jax.engine.protocol import FinishReason, GenerationRequest, RequestTiming, TokenEvent
+from strata_jax.engine.protocol import FinishReason, GenerationRequest, RequestTiming, TokenEvent, TokenLogprob
 from strata_jax.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("strata_jax.engine")
@@ -58,6 +58,8 @@ class RequestOutput:
     accepted_draft_tokens: int = 0
     at: float = 0.0
     retryable: bool = False  # the error is the engine's state (shutdown, watchdog), not the request's
+    slot: int | None = None  # the slot serving the request (None before it has one)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id (when the request asked for log-probabilities)
 
 
 def cut_stop_strings(held: str, text: str, stops: Sequence[str]) -> tuple[str, str | None, str]:
@@ -128,7 +130,7 @@ class OutputProcessor:
             return
         for i, token in enumerate(output.token_ids):
             last = i == len(output.token_ids) - 1
-            if self._token(stream, token, output.finish_reason if last else None, output):
+            if self._token(stream, token, output.finish_reason if last else None, output, i):
                 return
         if output.finish_reason is not None and not output.token_ids:
             stream.done = True
@@ -137,7 +139,8 @@ class OutputProcessor:
             else:
                 stream.emit(TokenEvent(None, finish_reason=output.finish_reason, completion_tokens=stream.sent))
 
-    def _token(self, stream: RequestStream, token: int, reason: FinishReason | None, output: RequestOutput) -> bool:
+    def _token(self, stream: RequestStream, token: int, reason: FinishReason | None, output: RequestOutput,
+               index: int = 0) -> bool:
         """Emits one token's event; returns whether it was the request's last."""
         sampling = stream.request.sampling
         stop_token = reason == "stop"  # an EOS / stop token ends the output without text of its own
@@ -158,6 +161,8 @@ class OutputProcessor:
             prompt_tokens=len(stream.request.prompt_ids) if first else 0,
             cached_tokens=output.cached_tokens if first else 0,
             completion_tokens=stream.sent,
+            slot=output.slot if first else None,
+            logprobs=output.logprobs[index : index + 1],
         )
         if reason is None:
             stream.emit(event)

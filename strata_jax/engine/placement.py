@@ -7,6 +7,10 @@ coldest pool residents: at most `max_swaps` per layer per round, and only when t
 hotter (hysteresis, so that near-ties do not ping-pong). A swap copies the expert's packed bytes from host RAM into
 the freed slot with one jitted, donated scatter per layer (fixed shapes: compiled once, at warm-up) and rewrites
 the layer's expert->slot map. Outputs do not change: a pair computes the same function on either side.
+
+Streaming layers (`ExpertQuantization.host_path = "stream"`) are placed the same way: a promotion copies the
+expert's row from pinned host memory inside the jitted pool update (as the step does), and each round also folds the
+layers' streaming counters (experts staged, rows copied over PCIe, rounds) into the totals `stats` exports.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from flax import nnx
 
 from strata_jax.host.pool import HostPool
 from strata_jax.host.tier import HostTier
+from strata_jax.model.expert_stream import RowLayout, copy_rows
 from strata_jax.model.moe import QuantizedExperts
 
 _KINDS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
@@ -50,6 +55,13 @@ def _write_pool(pool: tuple[jax.Array, ...], slots: jax.Array, rows: tuple[jax.A
     return tuple(a.at[slots].set(r, mode="drop") for a, r in zip(pool, rows))
 
 
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(4,))
+def _write_pool_streamed(pool: tuple[jax.Array, ...], host_rows: jax.Array, experts: jax.Array, slots: jax.Array,
+                         layout: RowLayout) -> tuple[jax.Array, ...]:
+    """`_write_pool` with the experts' rows copied from host memory [E, words] inside the call."""
+    return _write_pool(pool, slots, layout.unpack(copy_rows(host_rows, experts)))
+
+
 @dataclasses.dataclass
 class _Layer:
     path: tuple
@@ -71,14 +83,16 @@ class ExpertPlacement:
         self._leaves = flat
         self.layers: list[_Layer] = []
         for path, node in nnx.iter_graph(model):
-            if isinstance(node, QuantizedExperts) and node.host is not None:
-                leaves = {k: flat[path + (k,)] for k in _KINDS + ("slot_of", "counts")}
+            if isinstance(node, QuantizedExperts) and node.tiered:
+                names = _KINDS + ("slot_of", "counts") + (("host_rows", "streamed") if node.streaming else ())
+                leaves = {k: flat[path + (k,)] for k in names}
                 slot_of = np.asarray(leaves["slot_of"].get_value()).astype(np.int32)
                 expert_in = np.full(node.pool_size, -1, np.int64)
                 expert_in[slot_of[slot_of >= 0]] = np.flatnonzero(slot_of >= 0)
                 self.layers.append(_Layer(path, node, leaves, slot_of, expert_in, np.zeros(node.num_experts)))
         # The layers' tiers compute on their model's one HostPool, whose busy counters `stats` exports (once).
-        pools = [layer.module.host.pool for layer in self.layers if isinstance(layer.module.host, HostTier)]
+        pools = [layer.module.host.pool for layer in self.layers
+                 if isinstance(layer.module.host, HostTier) and not layer.module.streaming]
         self._pools = list({id(pool): pool for pool in pools}.values())
         self._steps = 0
         self._lock = threading.Lock()
@@ -87,6 +101,8 @@ class ExpertPlacement:
         self._promotions = 0
         self._rounds = 0
         self._round_seconds = 0.0
+        self._streamed = np.zeros(3, np.int64)  # expert_stream.STAT_NAMES, summed over layers and rounds
+        self._row_bytes = next((layer.module.layout.row_bytes for layer in self.layers if layer.module.streaming), 0)
 
     @property
     def active(self) -> bool:
@@ -114,6 +130,7 @@ class ExpertPlacement:
                 layer.leaves["counts"].set_value(jnp.zeros_like(layer.leaves["counts"].get_value()))
                 self._pairs += int(c.sum())
                 self._hits += int(c[layer.slot_of >= 0].sum())
+            self._streamed += self._pending_streamed(clear=True)
         moved = 0
         for layer, c in zip(self.layers, counts):
             layer.score = self.config.decay * layer.score + c
@@ -144,9 +161,13 @@ class ExpertPlacement:
         pad_slots[: len(slots)] = slots
         pad_experts = np.zeros(m, np.int64)
         pad_experts[: len(experts)] = experts
-        rows = tuple(jnp.asarray(layer.module.host.rows(k, pad_experts)) for k in _KINDS)
         pool = tuple(layer.leaves[k].get_value() for k in _KINDS)
-        new = _write_pool(pool, jnp.asarray(pad_slots), rows)
+        if layer.module.streaming:
+            new = _write_pool_streamed(pool, layer.leaves["host_rows"].get_value(),
+                                       jnp.asarray(pad_experts, jnp.int32), jnp.asarray(pad_slots), layer.module.layout)
+        else:
+            rows = tuple(jnp.asarray(layer.module.host.rows(k, pad_experts)) for k in _KINDS)
+            new = _write_pool(pool, jnp.asarray(pad_slots), rows)
         for k, arr in zip(_KINDS, new):
             layer.leaves[k].set_value(arr)
         with self._lock:
@@ -158,14 +179,27 @@ class ExpertPlacement:
                 layer.expert_in[s] = e
         layer.leaves["slot_of"].set_value(jnp.asarray(layer.slot_of))
 
+    def _pending_streamed(self, clear: bool) -> np.ndarray:
+        """The streaming layers' counters since the last round, summed (a small device read), optionally cleared.
+        Call with the lock held."""
+        total = np.zeros(3, np.int64)
+        for layer in self.layers:
+            if layer.module.streaming:
+                var = layer.leaves["streamed"]
+                total += np.asarray(var.get_value(), np.int64)
+                if clear:
+                    var.set_value(jnp.zeros_like(var.get_value()))
+        return total
+
     def warm_up(self) -> None:
         """Compiles the pool update (a no-op write) so that the first round does not stall on compilation."""
         if self.layers:
             self.move(self.layers[0], [], [])
 
     def stats(self) -> dict[str, float]:
-        """For /metrics: routed pairs, pairs served by the device pool, its hit rate, promotions, rounds, and the
-        host callbacks run and the seconds spent in them."""
+        """For /metrics: routed pairs, pairs served by the device pool, its hit rate, promotions, rounds, the host
+        callbacks run and the seconds spent in them, and, streaming, the experts staged, rows and bytes copied from
+        host memory and copy rounds run (all layers; per step: divide by `expert_steps_total`)."""
         if not self.active:
             return {}
         host_calls, host_seconds = _busy(self._pools)
@@ -176,6 +210,7 @@ class ExpertPlacement:
                 c = np.asarray(layer.leaves["counts"].get_value())
                 pairs += int(c.sum())
                 hits += int(c[layer.slot_of >= 0].sum())
+            staged, rows, rounds = (int(v) for v in self._streamed + self._pending_streamed(clear=False))
             return {
                 "expert_pairs_total": pairs,
                 "expert_gpu_pairs_total": hits,
@@ -187,6 +222,12 @@ class ExpertPlacement:
                 "experts_per_layer": self.layers[0].module.num_experts,
                 "host_expert_calls_total": host_calls,
                 "host_expert_seconds_total": host_seconds,
+                "expert_streaming": int(any(layer.module.streaming for layer in self.layers)),
+                "expert_steps_total": self._steps,
+                "expert_streamed_experts_total": staged,
+                "expert_streamed_rows_total": rows,
+                "expert_streamed_bytes_total": rows * self._row_bytes,
+                "expert_stream_rounds_total": rounds,
             }
 
 

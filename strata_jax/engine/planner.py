@@ -23,7 +23,7 @@ from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT, EngineConfig
 from pallas_kernels.decode_attention import MAX_TOKENS as DECODE_MAX_TOKENS
 from pallas_kernels.prefill_attention import BLOCK_K as PREFILL_BLOCK_K
-from strata_jax.model.cache import cache_len_for, init_cache
+from strata_jax.model.cache import cache_len_for, init_cache, kv_dtype_of
 from strata_jax.model.decoder import CausalLM
 
 MIB = 1 << 20
@@ -45,8 +45,8 @@ _DENSE_PARTS = (
     "PLE projections",
     "MTP (dense part)",
 )
-_CACHE_PARTS = ("KV", "QSA index keys", "QSA block keys", "GDN conv state", "GDN recurrent state (fp32)",
-                "PLE conv state", "MTP KV", "slot lengths")
+_CACHE_PARTS = ("KV", "KV scales (int8/fp8)", "QSA index keys", "QSA block keys", "GDN conv state",
+                "GDN recurrent state (fp32)", "PLE conv state", "MTP KV", "slot lengths")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,9 +255,10 @@ def _weights(cfg: ModelConfig, quant: ExpertQuantization | None, dtype_name: str
     return _Weights(tuple((k, v) for k, v in dense.items() if v), moe_layers, per_expert)
 
 
-def _cache_parts(cfg: ModelConfig, slots: int, max_context: int, dtype, with_mtp: bool) -> tuple[tuple[str, int], ...]:
-    """Cache bytes by component, from `init_cache`'s own shapes."""
-    shapes = jax.eval_shape(lambda: init_cache(cfg, slots, max_context, dtype, with_mtp=with_mtp))
+def _cache_parts(cfg: ModelConfig, slots: int, max_context: int, dtype, with_mtp: bool,
+                 kv_dtype=None) -> tuple[tuple[str, int], ...]:
+    """Cache bytes by component, from `init_cache`'s own shapes (`kv_dtype`: K and V stored quantized)."""
+    shapes = jax.eval_shape(lambda: init_cache(cfg, slots, max_context, dtype, with_mtp=with_mtp, kv_dtype=kv_dtype))
     parts = dict.fromkeys(_CACHE_PARTS, 0)
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         names = [getattr(k, "name", None) for k in path]
@@ -267,6 +268,8 @@ def _cache_parts(cfg: ModelConfig, slots: int, max_context: int, dtype, with_mtp
             part = "MTP KV"
         elif last in ("k", "v"):
             part = "KV"
+        elif last in ("k_scale", "v_scale"):
+            part = "KV scales (int8/fp8)"
         elif last == "index_k":
             part = "QSA index keys"
         elif last == "block_keys":
@@ -387,8 +390,10 @@ def make_plan(
     reserve = vram_reserve_mib * MIB
 
     cache_dtype = engine.cache_dtype or weights_dtype
+    kv_dtype = kv_dtype_of(cache_dtype)  # int8 / fp8: K and V quantized, the other caches in the weights' dtype
     w = _weights(cfg, quant, weights_dtype, with_mtp)
-    cache = _cache_parts(cfg, engine.slots, engine.max_context, jnp.dtype(cache_dtype), with_mtp)
+    cache = _cache_parts(cfg, engine.slots, engine.max_context,
+                         jnp.dtype(weights_dtype if kv_dtype is not None else cache_dtype), with_mtp, kv_dtype)
     recurrent = sum(b for k, b in cache if k in ("GDN conv state", "GDN recurrent state (fp32)", "PLE conv state"))
     workspace = _workspace(cfg, engine, jnp.dtype(weights_dtype).itemsize, sum(b for _, b in cache), recurrent)
     fixed = sum(b for _, b in w.dense) + sum(b for _, b in cache) + workspace.bytes
@@ -683,3 +688,140 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.fits:
         tail.append("allocator: " + " ".join(f"{k}={v}" for k, v in allocator_env(plan).items()))
     return "\n".join(head + body + tail)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """How the experts a plan leaves off the device are served (`ExpertQuantization.host_path`), and why.
+
+    host_path: "stream" (pinned host memory, copied into the step: `strata_jax.model.expert_stream`), "compute"
+    (the host CPU computes them) or "none" (every expert fits). gpu_experts: the device pool per MoE layer, smaller
+    than the plan's by the staging rows' room when streaming. copy_slots / prefill_copy_slots: staging rows per
+    round of a decode (or verify) call and of a prompt chunk. staging_bytes: the largest call's transient staging
+    on the device (one layer at a time). pinned_host_bytes: host memory the packed rows take (every expert of every
+    MoE layer: placement promotes from them)."""
+
+    host_path: str
+    gpu_experts: int
+    copy_slots: int
+    prefill_copy_slots: int
+    staging_bytes: int
+    pinned_host_bytes: int
+    reason: str
+
+
+def _staging_bytes(row: int, num_experts: int, outside: int, decode_slots: int, prefill_slots: int,
+                   merged: bool) -> int:
+    """A layer's transient staging: the copied rows and their unpacked arrays; a merged prompt chunk also
+    concatenates the pool and the staged experts into one stack."""
+    return max(2 * decode_slots * row, (2 * prefill_slots + (num_experts if merged else 0)) * row)
+
+
+def stream_plan(plan: MemoryPlan, engine: EngineConfig, backend: str | None, requested: str = "auto",
+                copy_slots: int | None = None) -> StreamPlan:
+    """Chooses streaming or host compute for the experts `plan` leaves in host RAM. `backend`: the device's
+    (`jax.default_backend()`, from the probe); streaming needs a GPU (pinned host memory behind PCIe; on a CPU the
+    "device" is host memory already, and the host kernel serves better). `requested`: "auto", "stream" or
+    "compute" (--host-path). Streaming takes its staging rows' room out of the device pool."""
+    if requested not in ("auto", "stream", "compute"):
+        raise ValueError(f"host path must be auto, stream or compute, got {requested!r}")
+    from strata_jax.model.expert_stream import stream_copy_slots
+
+    e, pool, row = plan.num_experts, plan.gpu_experts, plan.expert_bytes
+    pinned = e * row * plan.moe_layers
+    if not plan.moe_layers or pool >= e or not plan.fits:
+        return StreamPlan("none", pool, 0, 0, 0, 0, "every expert fits on the device: nothing to stream"
+                          if plan.fits else "the plan does not fit")
+    if requested == "compute":
+        return StreamPlan("compute", pool, 0, 0, 0, 0, "--host-path compute")
+    if requested == "auto" and backend != "gpu":
+        return StreamPlan("compute", pool, 0, 0, 0, 0, f"the {backend or 'unknown'} backend has no PCIe between host "
+                          "and device memory to stream over: the host CPU computes the experts outside the pool")
+    window = engine.slots * (engine.draft_k + 1 if getattr(engine, "draft", "none") != "none" else 1)
+    chunk_tokens = engine.chunk * max(engine.prefill_batches)
+    layer_bytes = row * plan.moe_layers
+    spare = plan.budget - plan.device_bytes
+
+    def settle(chunk_cap: int | None) -> tuple[int, int, int, int]:
+        """(pool, decode rows, chunk rows, staging bytes) once the staging's room is out of the pool."""
+        streamed_pool = pool
+        for _ in range(4):  # the staging grows as the pool shrinks
+            slots = stream_copy_slots(window, plan.top_k, e, streamed_pool, copy_slots)
+            chunk = stream_copy_slots(chunk_tokens, plan.top_k, e, streamed_pool, prefill_copy_slots=chunk_cap)
+            merged = chunk_tokens * plan.top_k >= e and chunk == e - streamed_pool
+            staging = _staging_bytes(row, e, e - streamed_pool, slots, chunk, merged)
+            streamed_pool = pool - max(0, -(-(staging - spare) // layer_bytes))
+        return streamed_pool, slots, chunk, staging
+
+    # A prompt chunk stages every expert outside the pool in one round where that costs at most a quarter of the
+    # pool; else fewer rows per round (more rounds per chunk: slower prompts, a larger pool for decode).
+    for cap in (None, 256, 128, 64, 32, 16):
+        streamed_pool, slots, chunk, staging = settle(cap)
+        if streamed_pool >= max(1, pool - pool // 4):
+            break
+    if streamed_pool < 1:
+        return StreamPlan("compute", pool, 0, 0, 0, 0, f"streaming's staging ({_gib(staging)} for a prompt chunk) "
+                          "leaves no device pool: the host CPU computes the experts outside the pool")
+    reason = (f"stream: {e - streamed_pool} of {e} experts per layer from pinned host memory ({_gib(pinned)} of host "
+              f"RAM) over PCIe inside the step; staging {_gib(staging)} (decode: {slots} rows per round for "
+              f"{window} tokens, prompt chunk: {chunk}) takes {pool - streamed_pool} experts per layer from the pool")
+    return StreamPlan("stream", streamed_pool, slots, chunk, staging, pinned, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """The plan of each device of a mesh (strata_jax/engine/mesh.py): `plan` is one device's, every device the same
+    (dense weights replicated, `slots / slot_shards` slots' caches, up to num_experts / expert_shards experts per
+    MoE layer in its part of the pool, the reserve kept free on each). `gpu_experts` is the whole pool per layer
+    (every device's part), what `load_model(gpu_experts=...)` takes."""
+
+    plan: MemoryPlan
+    devices: int
+    expert_shards: int
+    slot_shards: int
+
+    @property
+    def gpu_experts(self) -> int:
+        return self.plan.gpu_experts * self.expert_shards
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+
+def make_device_plan(cfg: ModelConfig, quant: ExpertQuantization | None, engine: EngineConfig, *, devices: int,
+                     expert_shards: int, **kw) -> DevicePlan:
+    """Plans one device of a `devices`-device mesh whose expert axis has `expert_shards` devices: `make_plan`'s
+    arguments (`kw`: weights_dtype, with_mtp, vram_reserve_mib, vram_budget_mib, device), each device's budget and
+    reserve being its own. Slots split over every device when they divide (else each device holds all of them);
+    a prefill call runs on every device, so its workspace is the whole call's."""
+    if devices < 1 or expert_shards < 1 or devices % expert_shards:
+        raise ValueError(f"a mesh of {devices} devices cannot have {expert_shards} on its expert axis")
+    if cfg.num_experts % expert_shards:
+        raise ValueError(f"{cfg.num_experts} experts per layer do not split over {expert_shards} devices")
+    slot_shards = devices if engine.slots % devices == 0 else 1
+    local = dataclasses.replace(engine, slots=engine.slots // slot_shards,
+                                prefill_batch=min(engine.prefill_batch, engine.slots // slot_shards))
+    base = make_plan(cfg, quant, local, suggest=False, **kw)
+    held = cfg.num_experts // expert_shards
+    top_k = -(-min(cfg.num_experts_per_tok, cfg.num_experts) // expert_shards)
+    layer_bytes = base.expert_bytes * base.moe_layers
+    room = base.budget - base.reserve - base.fixed_bytes
+    per_device = held if layer_bytes == 0 else max(0, min(held, room // layer_bytes))
+    fits = room >= 0 and per_device >= (top_k if layer_bytes else 0)
+    plan = dataclasses.replace(base, num_experts=held, top_k=top_k, gpu_experts=per_device if fits else 0,
+                               fits=fits, model=f"{base.model}; one of {devices} devices")
+    message = _decision(plan) if fits else _refusal(plan)
+    return DevicePlan(dataclasses.replace(plan, message=f"per device: {message}"), devices, expert_shards, slot_shards)
+
+
+def format_device_plan(dp: DevicePlan) -> str:
+    """A mesh plan: what every device holds (`format_plan` of one device) and the totals."""
+    p = dp.plan
+    slots = (f"{p.slots} of the {p.slots * dp.slot_shards} slots" if dp.slot_shards > 1 else
+             f"all {p.slots} slots (they do not split over {dp.devices} devices)")
+    head = (f"mesh plan: {dp.devices} devices, experts split over {dp.expert_shards}; each device holds the dense "
+            f"weights, {slots}, {p.gpu_experts} of its {p.num_experts} experts per MoE layer; "
+            f"{dp.gpu_experts} of {p.num_experts * dp.expert_shards} per layer on the GPUs in all, "
+            f"{_gib(p.device_bytes * dp.devices)} planned on {dp.devices} x {_gib(p.budget)}")
+    return head + "\n" + format_plan(p)

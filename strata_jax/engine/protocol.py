@@ -13,6 +13,35 @@ from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "stop_string", "cancelled", "error"]
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (the step computes a fixed top-k)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolSchema:
+    """A tool a constrained request may call: its name and its arguments' JSON schema (JSON text, so that the
+    constraint stays hashable)."""
+
+    name: str
+    parameters: str = "{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """What a request's output must look like; the engine turns it into a grammar over the model's tokens and masks
+    every step's logits with it (`strata_jax/engine/constraints.py`).
+
+    json_schema: the answer is one JSON value matching this schema (JSON text; '{"type": "object"}' is OpenAI's
+    json_object mode). tools: the answer may call only these tools, each call's arguments following its schema, in
+    the chat template's tool-call format. tool_choice: "auto" (text and/or calls), "required" (one or more calls and
+    nothing else), "none" (text, no call) or a tool's name (calls of that tool only). thinking: a `<think>` block may
+    open the answer; starts_in_thinking: the prompt already opened one (the answer starts inside it)."""
+
+    json_schema: str | None = None
+    tools: tuple[ToolSchema, ...] = ()
+    tool_choice: str = "auto"
+    thinking: bool = True
+    starts_in_thinking: bool = False
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +55,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's eos tokens
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities. k >= 0: each token's log-probability under the model's distribution (before
+    # temperature / top-k / top-p) and its k most likely alternatives, k <= MAX_TOP_LOGPROBS.
+    logprobs: int | None = None
+    constraint: Constraint | None = None  # a grammar the output must follow (None: free)
 
     def checked(self, vocab_size: int) -> SamplingParams:
         """These parameters made safe for the step functions, or ValueError naming the field and its range.
@@ -51,6 +84,10 @@ class SamplingParams:
             number("stop_token_ids[]", t, 0, vocab_size - 1, integer=True)
         if any(not isinstance(s, str) for s in self.stop_strings):
             raise ValueError("stop_strings must be strings")
+        if self.logprobs is not None:
+            number("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
         top_k = 0 if self.top_k >= vocab_size else self.top_k
         return self if top_k == self.top_k else dataclasses.replace(self, top_k=top_k)
 
@@ -70,6 +107,16 @@ class RequestTiming:
     prefill: float = 0.0
     time_to_first_token: float = 0.0
     decode_tokens_per_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the `top` most likely tokens at its position, (id, logprob) pairs
+    in descending order (as many as the request's `SamplingParams.logprobs`)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +141,8 @@ class TokenEvent:
     draft_tokens: int = 0  # on the last event: tokens the drafter guessed for this request
     accepted_draft_tokens: int = 0  # ... and how many of them the model accepted
     retryable: bool = False  # an "error" that is the engine's state (shutting down, a stuck step), not the request's
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token behind this event's text (when the request asked)
+    slot: int | None = None  # on the first event: the engine slot that serves the request (for logs and monitor)
 
 
 class EngineUnavailable(RuntimeError):

@@ -19,11 +19,12 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.mesh import MeshSteps
 from strata_jax.engine.steps import (
     STEPS, Sampling, decode_args, flat_weights, greedy_sampling, jit_step, prefill_args, put_slot, reset_slot,
     take_slot, take_slot_prefix, verify_args,
 )
-from strata_jax.model.cache import ModelCache, init_cache, map_kv_positions
+from strata_jax.model.cache import ModelCache, init_cache, kv_dtype_of, map_kv_positions
 from strata_jax.model.config import ModelConfig
 
 
@@ -37,6 +38,17 @@ def read_length(positions: int, max_len: int) -> int:
     while length < positions:
         length *= 2
     return min(length, max_len)
+
+
+def put_slot_prefix(cache: ModelCache, slot: jax.Array, sub: ModelCache) -> ModelCache:
+    """`cache` with slot `slot` replaced by `sub` (batch 1) whose attention KV covers only the first positions (a
+    `read_length` bucket): the positions past them keep stale values, which the slot's length masks, as after
+    `reset_slot`."""
+
+    def put(x, y):
+        return jax.lax.dynamic_update_slice(x, y.astype(x.dtype), (slot,) + (0,) * (x.ndim - 1))
+
+    return jax.tree_util.tree_map(put, cache, sub)
 
 
 def _kv_bytes(cache: ModelCache) -> int:
@@ -60,11 +72,14 @@ class RunnerModel:
     config: ModelConfig
     dtype: Any  # of activations and (unless EngineConfig.cache_dtype says otherwise) caches, e.g. jnp.bfloat16
     has_mtp: bool = False
+    mesh: Any = None  # a jax Mesh the state is placed on (strata_jax/engine/mesh.py); None: one device
+    expert_exchange: str = "gather"  # over a mesh: how decode/verify move tokens to the experts
 
     @classmethod
     def of(cls, model) -> RunnerModel:
         """The runner's view of a `LoadedModel` (shares its state: weights written there are seen here)."""
-        return cls(model.graphdef, model.state, model.config, model.dtype, model.has_mtp)
+        return cls(model.graphdef, model.state, model.config, model.dtype, model.has_mtp,
+                   getattr(model, "mesh", None), getattr(model, "expert_exchange", "gather"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +91,7 @@ class PrefillOutput:
     tokens: np.ndarray
     drafts: np.ndarray
     counts: nnx.State
+    logprobs: tuple | None = None  # (logprob [P], top ids [P, K], top logprobs [P, K]) on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +104,7 @@ class StepOutput:
     drafts: np.ndarray | None
     counts: nnx.State
     accepted: np.ndarray | None = None
+    logprobs: tuple | None = None  # (logprob [S(, k+1)], top ids [S(, k+1), K], top logprobs) on the device
 
 
 def _step_name(name: str, width: int, batch: int) -> str:
@@ -110,10 +127,15 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.with_verify = with_verify or config.draft != "none"
-        self._cache_dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
+        # int8 / fp8 quantize the attention K and V only; the other caches then stay in the model's dtype.
+        self._kv_dtype = kv_dtype_of(config.cache_dtype)
+        float_cache = config.cache_dtype and self._kv_dtype is None
+        self._cache_dtype = jnp.dtype(config.cache_dtype) if float_cache else model.dtype
         self.mtp_k = config.draft_k if config.draft == "mtp" else 0
         if self.mtp_k and not model.has_mtp:
             raise ValueError("draft='mtp' needs a checkpoint with MTP weights (mtp.*)")
+        # Over a mesh the steps are shard_maps and the cache is split by slot (strata_jax/engine/mesh.py).
+        self.mesh_steps = None if model.mesh is None else MeshSteps(model.mesh, config.slots, model.expert_exchange)
         self.cache = self._new_cache()
         # Shapes are fixed at start: one slot's bytes, and the part of them that grows with positions (KV).
         self._slot_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.cache)) // config.slots
@@ -125,7 +147,17 @@ class ModelRunner:
         self._read = jax.jit(take_slot)
         self._read_prefix = jax.jit(take_slot_prefix, static_argnums=(2,))
         self._write = jax.jit(put_slot, donate_argnums=(0,))
+        self._write_prefix = jax.jit(put_slot_prefix, donate_argnums=(0,))
         self.ple_dims = [model.config.ple_embed_dim] * len(model.config.ple_layers)
+        if self.mesh_steps is not None:
+            ms = self.mesh_steps
+            self._jitted = {name: ms.jit_step(name, step, model.graphdef, model.state, self.mtp_k)
+                            for name, step in STEPS.items()}
+            self._reset, self._read, self._write = ms.reset_fn(), ms.read_fn(), ms.write_fn()
+            self._read_prefix, self._write_prefix = ms.read_prefix_fn(), ms.write_fn()
+        self.step_seconds: dict[tuple[str, int, int], float] = {}  # (step, width, batch) -> seconds, at warm-up
+        self.mask_words = (model.config.vocab_size + 31) // 32
+        self._free: dict[tuple, tuple[jax.Array, jax.Array]] = {}  # shape -> (all-allowing masks, no logprobs)
 
     # -- weights -------------------------------------------------------------------------------------------------
     def _weights(self) -> list[jax.Array]:
@@ -147,40 +179,56 @@ class ModelRunner:
         *out, self.cache, counts = fn(self._weights(), self.cache, *args)
         return (*out, counts)
 
+    def _extras(self, shape: tuple[int, ...], mask: np.ndarray | None, logprobs: np.ndarray | None) -> dict:
+        """The steps' (mask, logprobs) inputs: the caller's, or device-resident ones that allow every token and ask
+        for nothing (uploaded once per shape: an unconstrained step transfers no mask)."""
+        if shape not in self._free:
+            self._free[shape] = (jnp.full(shape + (self.mask_words,), -1, jnp.int32), jnp.zeros(shape[:1], bool))
+        free_mask, no_logprobs = self._free[shape]
+        return {"mask": free_mask if mask is None else mask, "logprobs": no_logprobs if logprobs is None else logprobs}
+
     def prefill(self, slots: Sequence[int], tokens: np.ndarray, n_valid: Sequence[int], next_tokens: Sequence[int],
-                rows: Sequence[np.ndarray], sampling: Sampling) -> PrefillOutput:
+                rows: Sequence[np.ndarray], sampling: Sampling, mask: np.ndarray | None = None,
+                logprobs: np.ndarray | None = None) -> PrefillOutput:
         """Runs one prompt chunk for each of the distinct `slots` [P] at once (tokens [P, C], `n_valid` real ones
         per row). `next_tokens`: each prompt's token after its chunk, or -1. `sampling`: per-row arrays
         (temperature, top_k, top_p, seed), each [P]."""
-        args = prefill_args(slots, tokens, n_valid, next_tokens, sampling, rows, self.model.dtype)
-        out, drafts, counts = self._run("prefill", tokens.shape[1], tokens.shape[0], args)
-        return PrefillOutput(np.asarray(out), np.asarray(drafts), counts)
+        args = prefill_args(slots, tokens, n_valid, next_tokens, sampling, rows, self.model.dtype,
+                            **self._extras((tokens.shape[0],), mask, logprobs))
+        out, drafts, lp, counts = self._run("prefill", tokens.shape[1], tokens.shape[0], args)
+        return PrefillOutput(np.asarray(out), np.asarray(drafts), counts, lp)
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, rows: Sequence[np.ndarray],
-               sampling: Sampling) -> StepOutput:
-        """One token for every slot (tokens/active [S], sampling arrays [S]); results on the host."""
-        args = decode_args(tokens, active, sampling, rows, self.model.dtype)
-        out, drafts, counts = self._run("decode", 1, self.config.slots, args)
-        return StepOutput(np.asarray(out), np.asarray(drafts), counts)
+               sampling: Sampling, mask: np.ndarray | None = None, logprobs: np.ndarray | None = None) -> StepOutput:
+        """One token for every slot (tokens/active [S], sampling arrays [S]; grammar masks [S, W] and
+        log-probability requests [S], None: none); results on the host (log-probabilities on the device)."""
+        args = decode_args(tokens, active, sampling, rows, self.model.dtype,
+                           **self._extras((self.config.slots,), mask, logprobs))
+        out, drafts, lp, counts = self._run("decode", 1, self.config.slots, args)
+        return StepOutput(np.asarray(out), np.asarray(drafts), counts, logprobs=lp)
 
     def decode_on_device(self, tokens, active: np.ndarray, sampling: Sampling) -> StepOutput:
         """`decode` for a model without PLE that leaves its tokens on the device: `tokens` [S] may be the device
         array a previous call returned. Nothing is synced; the output's drafts are None."""
-        out, _, counts = self._run("decode", 1, self.config.slots, decode_args(tokens, active, sampling, (),
-                                                                                self.model.dtype))
+        args = decode_args(tokens, active, sampling, (), self.model.dtype,
+                           **self._extras((self.config.slots,), None, None))
+        out, _, _, counts = self._run("decode", 1, self.config.slots, args)
         return StepOutput(out, None, counts)
 
     def verify(self, tokens: np.ndarray, n_valid: np.ndarray, rows: Sequence[np.ndarray],
-               sampling: Sampling) -> StepOutput:
-        """Checks every slot's drafts (tokens [S, k+1], n_valid [S]); results on the host."""
-        args = verify_args(tokens, n_valid, sampling, rows, self.model.dtype)
-        n_acc, out, drafts, counts = self._run("verify", tokens.shape[1], self.config.slots, args)
-        return StepOutput(np.asarray(out), np.asarray(drafts), counts, accepted=np.asarray(n_acc))
+               sampling: Sampling, mask: np.ndarray | None = None, logprobs: np.ndarray | None = None) -> StepOutput:
+        """Checks every slot's drafts (tokens [S, k+1], n_valid [S]; grammar masks [S, k+1, W] and
+        log-probability requests [S], None: none); results on the host (log-probabilities on the device)."""
+        args = verify_args(tokens, n_valid, sampling, rows, self.model.dtype,
+                           **self._extras(tokens.shape, mask, logprobs))
+        n_acc, out, drafts, lp, counts = self._run("verify", tokens.shape[1], self.config.slots, args)
+        return StepOutput(np.asarray(out), np.asarray(drafts), counts, accepted=np.asarray(n_acc), logprobs=lp)
 
     # -- slots ---------------------------------------------------------------------------------------------------
     def _new_cache(self) -> ModelCache:
-        return init_cache(self.model.config, self.config.slots, self.config.max_context, self._cache_dtype,
-                          with_mtp=bool(self.mtp_k))
+        cache = init_cache(self.model.config, self.config.slots, self.config.max_context, self._cache_dtype,
+                           with_mtp=bool(self.mtp_k), kv_dtype=self._kv_dtype)
+        return cache if self.mesh_steps is None else self.mesh_steps.place_cache(cache)
 
     def cache_lost(self) -> bool:
         """Whether the slot cache is unusable: a call that failed after the cache was donated to it deleted it."""
@@ -203,6 +251,15 @@ class ModelRunner:
             return jax.tree_util.tree_map(np.asarray, self._read(self.cache, jnp.int32(slot)))
         return jax.tree_util.tree_map(np.asarray, self._read_prefix(self.cache, jnp.int32(slot), length))
 
+    def read_on_device(self, slot: int, upto: int) -> ModelCache:
+        """`read(slot, upto)` left on the device: a copy of the slot's state (KV to `read_length(upto)`) queued
+        behind the steps before it, returned at once. A prefix snapshot copies it to the host asynchronously; the
+        slot's own buffers go on to the next step undisturbed."""
+        length = read_length(upto, self.cache.max_len)
+        if length >= self.cache.max_len:
+            return self._read(self.cache, jnp.int32(slot))
+        return self._read_prefix(self.cache, jnp.int32(slot), length)
+
     def snapshot_bytes(self, positions: int) -> int:
         """Host bytes of one slot's state with KV for `positions` positions (about what `read(slot, positions)`
         copies)."""
@@ -210,8 +267,13 @@ class ModelRunner:
         return self._slot_bytes - kv + kv * min(positions, max_len) // max_len
 
     def write(self, slot: int, sub: ModelCache) -> None:
-        """Replaces one slot's state (batch dimension 1), e.g. with a prefix-cache snapshot."""
-        self.cache = self._write(self.cache, jnp.int32(slot), sub)
+        """Replaces one slot's state (batch dimension 1), e.g. with a prefix-cache snapshot. `sub`'s attention KV
+        may cover the whole cache or only a `read_length` bucket of first positions (a restored prefix: only those
+        cross to the device)."""
+        if sub.max_len < self.cache.max_len:
+            self.cache = self._write_prefix(self.cache, jnp.int32(slot), sub)
+        else:
+            self.cache = self._write(self.cache, jnp.int32(slot), sub)
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def _warm_up_jobs(self) -> list[tuple[str, int, int, tuple]]:
@@ -220,16 +282,28 @@ class ModelRunner:
         rows = lambda b, t: tuple(np.zeros((b, t, d), np.float32) for d in self.ple_dims)  # noqa: E731
         jobs = [
             ("prefill", c, p, prefill_args(np.arange(p), np.zeros((p, c), np.int32), np.ones(p, np.int32),
-                                           np.full(p, -1), greedy_sampling(p), rows(p, c), dtype))
+                                           np.full(p, -1), greedy_sampling(p), rows(p, c), dtype,
+                                           **self._extras((p,), None, None)))
             for c in self.config.prefill_chunks for p in self.config.prefill_batches
         ]
         jobs.append(("decode", 1, s, decode_args(np.zeros(s, np.int32), np.zeros(s, bool), greedy_sampling(s),
-                                                 rows(s, 1), dtype)))
+                                                 rows(s, 1), dtype, **self._extras((s,), None, None))))
         if self.with_verify:
             w = self.config.draft_k + 1
             jobs.append(("verify", w, s, verify_args(np.zeros((s, w), np.int32), np.zeros(s, np.int32),
-                                                     greedy_sampling(s), rows(s, w), dtype)))
+                                                     greedy_sampling(s), rows(s, w), dtype,
+                                                     **self._extras((s, w), None, None))))
         return jobs
+
+    def _time_steps(self, jobs: list[tuple[str, int, int, tuple]]) -> None:
+        """Times one more run of each prefill shape and of decode (`step_seconds`): the scheduler sizes the prefill
+        it runs beside decoding slots from them (strata_jax/engine/prefill_policy.py)."""
+        for name, width, batch, args in jobs:
+            if name == "verify":
+                continue
+            t0 = time.perf_counter()
+            jax.block_until_ready(self._run(name, width, batch, args))
+            self.step_seconds[(name, width, batch)] = time.perf_counter() - t0
 
     def warm_up(self, after_step: Callable[[str, nnx.State], None] | None = None) -> float:
         """Compiles every step function ahead of time, in parallel, then runs each once (the first call of an
@@ -254,10 +328,11 @@ class ModelRunner:
             counts = self._run(name, width, batch, args)[-1]
             if after_step is not None:
                 after_step(name, counts)
+        self._time_steps(jobs)
         self.write(0, self.read(0))
         length = READ_MIN
-        while length < self.cache.max_len:  # the prefix reads of snapshots: compiled now, not mid-traffic
-            self.read(0, length)
+        while length < self.cache.max_len:  # the prefix reads and writes of snapshots: compiled now, not mid-traffic
+            self.write(0, self.read(0, length))
             length *= 2
         for slot in range(max(self.config.prefill_batches)):
             self.reset(slot)

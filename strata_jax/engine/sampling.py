@@ -55,3 +55,35 @@ def sample(
         return jnp.where(temperature > 0, out, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array, constrained: jax.Array) -> jax.Array:
+    """Logits [S, ..., V] with the tokens a packed mask [S, ..., ceil(V / 32)] (int32; bit i of word w allows token
+    32 w + i) does not allow set to -inf, when `constrained` (a scalar bool: some slot has a grammar; the others'
+    masks allow everything). Unconstrained steps skip the unpacking: it reads and writes S x V values."""
+
+    def masked():
+        bits = (mask[..., None].astype(jnp.uint32) >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [..., W, 32]
+        allowed = bits.reshape(*mask.shape[:-1], -1)[..., : logits.shape[-1]].astype(bool)
+        return jnp.where(allowed, logits, -jnp.inf)
+
+    return jax.lax.cond(constrained, masked, lambda: logits)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array) -> tuple[jax.Array, ...]:
+    """Log-probabilities of the model's raw distribution (log_softmax of `logits` [S, ..., V], before temperature,
+    top-k/top-p and any grammar mask): of `tokens` [S, ...] and the k most likely tokens, (logprob [S, ...], top ids
+    [S, ..., k], top logprobs [S, ..., k]). Only when `wanted` (a scalar bool: some slot asked); zeros otherwise,
+    since the top-k reads the whole vocabulary of every slot."""
+    shape = tokens.shape
+
+    def computed():
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+        top_lp, top_ids = jax.lax.top_k(logp, k)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def skipped():
+        return (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (k,), jnp.int32), jnp.zeros(shape + (k,), jnp.float32))
+
+    return jax.lax.cond(wanted, computed, skipped)

@@ -2,10 +2,12 @@
 runner; the `OutputProcessor` (its own thread) turns the tokens into events.
 
 Each iteration: cancellations and stop-string ends free their slots, FIFO admission fills free slots (restoring
-prefix-cache snapshots), the oldest prefilling request gets one prompt chunk, then every decoding slot gets one
-step: verify when the drafter has guesses, else decode (overlapped with the host's work while nothing else needs
-the host in step with the device). Running streams stall at most one chunk. The scheduler decides token-level
-ends (EOS, stop-token ids, length); stop strings are text-level and matched by the output processor.
+prefix-cache snapshots, or waiting for the snapshot of a prompt that is prefilling the same first tokens), one
+prefill call runs the prompt pieces the prefill policy picks (strata_jax/engine/prefill_policy.py: narrow and paced
+while slots decode, shortest remaining first), then every decoding slot gets one step: verify when the drafter has
+guesses, else decode (overlapped with the host's work while nothing else needs the host in step with the device).
+Prefix snapshots are copied to the host asynchronously. The scheduler decides token-level ends (EOS, stop-token
+ids, length); stop strings are text-level and matched by the output processor.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,9 +26,10 @@ from strata_jax.engine.executor import PrefillBatchFailed, StepExecutor
 from strata_jax.engine.job import Job
 from strata_jax.engine.output import OutputProcessor, RequestStream
 from strata_jax.engine.placement import ExpertPlacement
+from strata_jax.engine.prefill_policy import PrefillPolicy
 from strata_jax.engine.prefix_cache import PrefixCache
 from strata_jax.engine.protocol import FinishReason
-from strata_jax.engine.runner import ModelRunner
+from strata_jax.engine.runner import ModelRunner, read_length
 from strata_jax.loaded_model import LoadedModel
 
 log = logging.getLogger("strata_jax.engine")
@@ -45,7 +49,10 @@ class Scheduler:
         tokenizer = model.tokenizer
         self.eos = set(model.config.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         c = model.config.indexer_compress_ratio if model.config.qsa else 1
-        self.prefix_cache = PrefixCache(config.prefix_cache_mib << 20, kv_block=c)
+        self.prefix_cache = PrefixCache(config.prefix_cache_mib << 20, kv_block=c,
+                                        device_budget_bytes=config.prefix_cache_device_mib << 20)
+        self.policy = PrefillPolicy(config)
+        self.snapshot_seconds = 0.0  # engine-thread time spent taking prefix snapshots
         self.kv_len = runner.cache.max_len
         self.counters = collections.Counter()
         self.executor = StepExecutor(model, config, runner, placement, self.counters)
@@ -63,6 +70,7 @@ class Scheduler:
 
     # -- control -------------------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.policy.warmed_up(self.runner.step_seconds)  # the prefill shape beside decoding slots
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
 
@@ -119,8 +127,12 @@ class Scheduler:
                 "prompt_tokens_total": self.counters["prompt_tokens"],
                 "generated_tokens_total": self.output.generated,
                 "prefix_cache_hit_tokens_total": self.counters["cached_tokens"],
-                "prefix_cache_snapshots": len(self.prefix_cache),
-                "prefix_cache_bytes": self.prefix_cache.bytes,
+                **self.prefix_cache.stats(),  # snapshots, bytes, in flight, hits, misses, evictions
+                "prefix_cache_snapshot_seconds_total": self.snapshot_seconds,
+                "shared_prefix_waits_total": self.counters["shared_waits"],  # waited for another's snapshot
+                "prefill_deferred_total": self.counters["prefill_deferred"],  # paced: decoders stepped alone
+                "mixed_prefill_width": self.policy.mixed[0],
+                "mixed_prefill_prompts": self.policy.mixed[1],
                 "slots_busy": busy,
                 "slots_total": self.config.slots,
                 "queue_length": len(self._queue),
@@ -191,6 +203,7 @@ class Scheduler:
             cancelled or ended or self._admission_pending() or not self._may_overlap()
         ):
             self._hand_out(*self.executor.land())
+        started = time.perf_counter()  # what is not the decode step below is charged to prefill's share
         for job in list(self._slots):
             if job is not None and job.request.request_id in cancelled:
                 self._finish(job, "cancelled", snapshot=False)
@@ -198,21 +211,34 @@ class Scheduler:
             elif job is not None and job.stream in ended:
                 kept = ended[job.stream]
                 self._finish(job, None, snapshot=kept is not None, kept=kept)
+        self.prefix_cache.poll()
         self._admit()
-        prefilling = sorted((j for j in self._slots if j is not None and j.prefilling), key=lambda j: j.admitted)
-        if prefilling:
-            self._prefill(self._prefill_group(prefilling))
+        self._end_waits()
+        decode_s = 0.0
+        decoders = any(j is not None and not j.prefilling for j in self._slots)
+        prefilling = [j for j in self._slots if j is not None and j.prefilling and j.waiting_for is None]
+        if prefilling and self.policy.may_prefill(decoders):
+            limit, most = self.policy.shape(decoders, len(prefilling))
+            self._prefill(self._prefill_group(self.policy.order(prefilling), limit, most), limit)
+        elif prefilling:
+            self.counters["prefill_deferred"] += 1
         decoding = [j for j in self._slots if j is not None and not j.prefilling]
         if decoding and self._may_overlap():
             landed = self.executor.launch(decoding)
             if landed is not None:
                 self._hand_out(*landed)
         elif decoding:
+            step_started = time.perf_counter()
             drafts = self._drafts(decoding)
             if any(drafts.values()):
                 self._verify(decoding, drafts)
             else:
                 self._decode(decoding)
+            decode_s = time.perf_counter() - step_started
+        # Admission, restores, prefill and snapshots: time the decoding slots waited for.
+        self.policy.prefilled(time.perf_counter() - started - decode_s, decoders)
+        if decode_s:
+            self.policy.decoded(decode_s, any(j is not None and j.prefilling for j in self._slots))
 
     # -- admission -----------------------------------------------------------------------------------------------
     def _admission_pending(self) -> bool:
@@ -229,14 +255,59 @@ class Scheduler:
                 job.slot = free[0]
                 self._slots[job.slot] = job
             job.admitted = time.monotonic()
-            snap = self.prefix_cache.lookup(job.prompt)
-            if snap is not None:
-                self.runner.write(job.slot, self.prefix_cache.restore(snap, self.kv_len))
-                job.pos = job.cached = job.consumed = len(snap.tokens)
-                self.counters["cached_tokens"] += job.cached
-            else:
-                self.runner.reset(job.slot)
-            job.ple_ctx = self.model.ple_context(job.prompt[: job.pos])
+            self._restore(job, fresh=True)
+            self._share(job)
+
+    def _restore(self, job: Job, fresh: bool) -> None:
+        """Restores the longest cached prefix of the job's prompt into its slot if it is longer than what the slot
+        holds (`fresh`: the slot holds nothing of it yet: reset it when nothing is cached)."""
+        snap = self.prefix_cache.lookup(job.fill)
+        if snap is not None and len(snap.tokens) > job.pos:
+            self._write_snapshot(job.slot, snap)
+            self.counters["cached_tokens"] += len(snap.tokens) - job.pos
+            job.pos = job.cached = job.consumed = len(snap.tokens)
+        elif fresh:
+            self.runner.reset(job.slot)
+        job.ple_ctx = self.model.ple_context(job.fill[: job.pos])
+
+    def _write_snapshot(self, slot: int, snap) -> None:
+        """Restores a snapshot into `slot`: its KV padded to the read bucket past the prefix (only that much
+        crosses to the device; a whole 65,536-token slot of Flash-Next is 1.8 GB)."""
+        self.runner.write(slot, self.prefix_cache.restore(snap, read_length(len(snap.tokens), self.kv_len)))
+
+    def _share(self, job: Job) -> None:
+        """Where the job's prompt parts from prompts seen before, a snapshot lets the next one like it resume there:
+        from a cached conversation (its path in the prefix cache goes further than its last snapshot), the job
+        snapshots the parting point itself; from a prompt prefilling now, the job waits for that one's snapshot
+        at the parting point (a prefix common to several sessions is computed once)."""
+        least = self.config.share_min_tokens
+        if not least or self.prefix_cache.budget <= 0 or job.refilling:
+            return
+        _, matched = self.prefix_cache.match(job.fill)
+        if job.pos < matched < len(job.fill) and matched >= least:
+            job.snapshot_at.add(matched)
+        best, at = None, 0
+        for other in self._slots:
+            if other is None or other is job or other.waiting_for is not None or not other.prefilling:
+                continue
+            n = min(_common_length(job.fill, other.fill), len(job.fill) - 1)
+            if n > at and n >= least and other.pos < n and n - job.pos >= least:
+                best, at = other, n
+        if best is not None:
+            best.snapshot_at.add(at)
+            job.waiting_for, job.wait_until = best, at
+            self.counters["shared_waits"] += 1
+
+    def _end_waits(self) -> None:
+        """Jobs waiting for another's snapshot go on when it is taken (or will not be: that one left its slot)."""
+        for job in self._slots:
+            other = job.waiting_for if job is not None else None
+            if other is None:
+                continue
+            gone = not (0 <= other.slot < len(self._slots) and self._slots[other.slot] is other)
+            if gone or other.pos >= job.wait_until:
+                job.waiting_for = None
+                self._restore(job, fresh=False)
 
     # -- which step ----------------------------------------------------------------------------------------------
     def _may_overlap(self) -> bool:
@@ -246,6 +317,8 @@ class Scheduler:
             return False
         running = [j for j in self._slots if j is not None]
         if not running or any(j.prefilling for j in running):
+            return False
+        if any(j.host_bound for j in running):  # a grammar mask or log-probabilities: the host steps along
             return False
         in_flight = self.executor.in_flight
         return in_flight is None or all(j in in_flight.jobs for j in running)
@@ -271,23 +344,24 @@ class Scheduler:
         )
 
     # -- steps and their results ---------------------------------------------------------------------------------
-    def _prefill_group(self, prefilling: list[Job]) -> list[Job]:
-        """The jobs whose next prompt pieces run in this iteration's prefill call: the longest-waiting one, and
-        with it (up to `prefill_batch`, in a compiled power-of-two count) others whose pieces take the same chunk
-        width, longest-waiting first."""
+    def _prefill_group(self, prefilling: Sequence[Job], limit: int, most: int) -> list[Job]:
+        """The jobs whose next prompt pieces run in this iteration's prefill call: the first in the policy's order,
+        and with it (up to `most`, in a compiled power-of-two count) others whose pieces take the same chunk width
+        (pieces no wider than `limit`), in that order."""
         first = prefilling[0]
-        if self.config.prefill_batch == 1 or first.prefill_alone:
+        if most == 1 or first.prefill_alone:
             return [first]
-        width = self.executor.chunk_size(first)
-        group = [first] + [j for j in prefilling[1:] if not j.prefill_alone and self.executor.chunk_size(j) == width]
-        return group[: max(b for b in self.config.prefill_batches if b <= len(group))]
+        width = self.executor.chunk_size(first, limit)
+        group = [first] + [j for j in prefilling[1:]
+                           if not j.prefill_alone and self.executor.chunk_size(j, limit) == width]
+        return group[: max(b for b in self.config.prefill_batches if b <= min(len(group), most))]
 
-    def _prefill(self, jobs: list[Job]) -> None:
-        tokens = self.executor.prefill(jobs)
+    def _prefill(self, jobs: list[Job], limit: int | None = None) -> None:
+        tokens = self.executor.prefill(jobs, limit)
         for job in jobs:
             token = tokens[job.slot]
-            if job.pos % self.config.snapshot_every == 0 and self._keeps(job.pos):
-                self.prefix_cache.insert(job.fill[: job.pos], self.runner.read(job.slot, job.pos))
+            if job.pos % self.config.snapshot_every == 0 or job.pos in job.snapshot_at:
+                self._snapshot(job, job.fill[: job.pos])
             if token is not None and job.refilling:  # a refill after lost state: its next token is known already
                 job.refilling = False
             elif token is not None:
@@ -367,6 +441,10 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 break
+        if job.matcher is not None and not job.matcher.advance(tokens[:n]):
+            log.warning("request %s: the grammar refused a token (%s); its output goes on unconstrained",
+                        job.request.request_id, job.matcher.failed)
+            job.matcher = None
         if reason is not None:
             self._finish(job, reason, snapshot=True, tokens=tokens[:n], at=at)
         else:
@@ -381,11 +459,23 @@ class Scheduler:
         # inside an accepted draft run leaves it past the sequence: then it is not a snapshot of any known prefix.
         seq = job.prompt + tuple(job.generated[:kept] if kept is not None else job.generated)
         fed = len(seq) - 1 <= job.consumed <= len(seq)
-        if snapshot and len(seq) > len(job.prompt) and not job.prefilling and fed and self._keeps(job.consumed):
-            self.prefix_cache.insert(seq[: job.consumed], self.runner.read(job.slot, job.consumed))
+        if snapshot and len(seq) > len(job.prompt) and not job.prefilling and fed:
+            self._snapshot(job, seq[: job.consumed])
+        if reason == "cancelled":  # its snapshots still in flight are dropped: their device copies freed now
+            self.prefix_cache.drop_pending(job.request.request_id)
         self._free(job)
         if reason is not None:
             self.output.put(job.output(tokens or [], reason, time.monotonic() if at is None else at))
+
+    def _snapshot(self, job: Job, tokens: Sequence[int]) -> None:
+        """Snapshots the job's slot after `tokens` (all of its state) for the prefix cache, without waiting for
+        the copy: queued on the device behind the step that filled the slot, copied to the host asynchronously."""
+        if not self._keeps(len(tokens)) or tokens in self.prefix_cache:
+            return
+        started = time.perf_counter()
+        state = self.runner.read_on_device(job.slot, len(tokens))
+        self.prefix_cache.insert_async(tokens, state, owner=job.request.request_id)
+        self.snapshot_seconds += time.perf_counter() - started
 
     def _keeps(self, positions: int) -> bool:
         """Whether the prefix cache would store a snapshot of `positions` tokens (else the read is skipped)."""
@@ -414,7 +504,7 @@ class Scheduler:
             job.device_drafts = []
             snap = self.prefix_cache.lookup(job.fill)
             if snap is not None:
-                self.runner.write(job.slot, self.prefix_cache.restore(snap, self.kv_len))
+                self._write_snapshot(job.slot, snap)
                 job.pos = job.consumed = len(snap.tokens)
             job.ple_ctx = self.model.ple_context(job.fill[: job.pos])
             self.counters["refilled"] += 1
@@ -426,3 +516,12 @@ class Scheduler:
             self.output.put(job.output([], "error", time.monotonic(), error=message))
             self._free(job)
         self.executor.recover()
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(differ[0]) if differ.size else n

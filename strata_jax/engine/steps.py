@@ -9,6 +9,13 @@ jits with the cache donated, and the public pieces benchmarks build the same com
 Every step also returns the routing counts (`RoutingCounts` state) its MoE layers accumulated. Slot indices are
 traced values: one compilation serves every slot.
 
+Constrained decoding and log-probabilities: every step optionally takes `mask` (packed int32 token masks, one per
+row and window position, `constraints.py`; a row of -1 words allows everything) and `logprobs` (bool per row: the
+row asked for log-probabilities). Without them (None, the benchmarks' calls) the step is the plain one; with them
+it unpacks masks only when some row is constrained and computes the top-`MAX_TOP_LOGPROBS` log-probabilities only
+when some row asked (`lax.cond`), and returns them after the tokens: (logprob, top ids, top logprobs) per row and
+position (zeros where nobody asked).
+
 Benchmarks: `jit_step(decode_step, graphdef, state)` is the engine's compiled decode over `flat_weights(state)`;
 `decode_args` / `verify_args` build its inputs; `.lower(weights, cache, *args)` on it gives the HLO.
 """
@@ -23,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.engine.sampling import sample
+from strata_jax.engine.protocol import MAX_TOP_LOGPROBS
+from strata_jax.engine.sampling import apply_token_mask, sample, token_logprobs
 from strata_jax.engine.speculative import accept
 from strata_jax.model.cache import AttentionCache, ModelCache, map_kv_positions
 from strata_jax.model.decoder import rollback
@@ -90,8 +98,22 @@ def _no_drafts(batch: int) -> jax.Array:
     return jnp.zeros((batch, 0), jnp.int32)
 
 
+def _masked(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """`logits` with the grammar masks applied (unpacked only when some row's mask forbids a token)."""
+    if mask is None:
+        return logits
+    return apply_token_mask(logits, mask, jnp.any(mask != -1))
+
+
+def _logprobs(logits: jax.Array, tokens: jax.Array, wanted: jax.Array | None) -> tuple:
+    """The step's log-probability outputs (none when the caller passed no `logprobs` input)."""
+    if wanted is None:
+        return ()
+    return (token_logprobs(logits, tokens, MAX_TOP_LOGPROBS, jnp.any(wanted)),)
+
+
 def prefill_step(mtp_k, graphdef, state, cache, slots, tokens, n_valid, next_token, rows, temperature, top_k,
-                 top_p, seed):
+                 top_p, seed, mask=None, logprobs=None):
     """One prompt chunk for each of P distinct slots `slots` [P] at once: tokens [P, C], of which row p's first
     `n_valid[p]` are real (a row with none leaves its slot as it was).
 
@@ -99,13 +121,14 @@ def prefill_step(mtp_k, graphdef, state, cache, slots, tokens, n_valid, next_tok
     follows). Sampling parameters are per row ([P]). With MTP drafting (mtp_k > 0) the chunk's pairs enter the MTP
     cache and the returned drafts guess the tokens after the sampled one. Logits are computed for each row's last
     real position only: the whole chunk's would cost C x vocabulary x hidden flops and C x vocabulary floats.
-    Returns (tokens [P], drafts [P, mtp_k], cache, routing counts)."""
+    `mask` [P, W] / `logprobs` [P]: see the module doc. Returns (tokens [P], drafts [P, mtp_k], (log-probabilities,
+    with `logprobs`), cache, routing counts)."""
     model = nnx.merge(graphdef, state)
     sub = take_slots(cache, slots)
     hidden, sub = model.model(tokens, sub, n_valid, rows)
     last = jnp.maximum(n_valid - 1, 0)[:, None, None]
     logits = model.logits(jnp.take_along_axis(hidden, last, axis=1))[:, 0]  # [P, V]
-    token = sample(logits, temperature, top_k, top_p, seed, sub.lengths)
+    token = sample(_masked(logits, mask), temperature, top_k, top_p, seed, sub.lengths)
     drafts = _no_drafts(tokens.shape[0])
     if mtp_k:
         follow = jnp.where(next_token >= 0, next_token, token)  # [P]
@@ -113,37 +136,42 @@ def prefill_step(mtp_k, graphdef, state, cache, slots, tokens, n_valid, next_tok
         at_last = jnp.arange(tokens.shape[1])[None] == (n_valid - 1)[:, None]
         nxt = jnp.where(at_last, follow[:, None], shifted)
         drafts, sub = model.mtp_drafts(hidden, nxt, sub, n_valid, mtp_k)
-    return token, drafts, put_slots(cache, slots, sub), nnx.state(model, RoutingCounts)
+    return (token, drafts, *_logprobs(logits, token, logprobs), put_slots(cache, slots, sub),
+            nnx.state(model, RoutingCounts))
 
 
-def decode_step(mtp_k, graphdef, state, cache, tokens, active, rows, temperature, top_k, top_p, seed):
-    """One token for every slot (tokens, active [S]). Returns (tokens [S], MTP drafts [S, mtp_k], cache, routing
-    counts)."""
+def decode_step(mtp_k, graphdef, state, cache, tokens, active, rows, temperature, top_k, top_p, seed, mask=None,
+                logprobs=None):
+    """One token for every slot (tokens, active [S]; `mask` [S, W], `logprobs` [S]: see the module doc). Returns
+    (tokens [S], MTP drafts [S, mtp_k], (log-probabilities, with `logprobs`), cache, routing counts)."""
     model = nnx.merge(graphdef, state)
     n_valid = active.astype(jnp.int32)
     logits, hidden, cache = model(tokens[:, None], cache, n_valid, rows)
-    out = sample(logits[:, 0], temperature, top_k, top_p, seed, cache.lengths)
+    out = sample(_masked(logits[:, 0], mask), temperature, top_k, top_p, seed, cache.lengths)
     drafts = _no_drafts(tokens.shape[0])
     if mtp_k:
         drafts, cache = model.mtp_drafts(hidden, out[:, None], cache, n_valid, mtp_k)
-    return out, drafts, cache, nnx.state(model, RoutingCounts)
+    return (out, drafts, *_logprobs(logits[:, 0], out, logprobs), cache, nnx.state(model, RoutingCounts))
 
 
-def verify_step(mtp_k, graphdef, state, cache, tokens, n_valid, rows, temperature, top_k, top_p, seed):
+def verify_step(mtp_k, graphdef, state, cache, tokens, n_valid, rows, temperature, top_k, top_p, seed, mask=None,
+                logprobs=None):
     """One verify window for every slot: tokens [S, k+1] = last token + drafts (n_valid[s] = 1 + drafts, 0 for
-    idle slots). Returns (accepted drafts [S], emitted tokens [S, k+1], next drafts [S, mtp_k], cache rolled back
-    to what was kept, routing counts)."""
+    idle slots); `mask` [S, k+1, W] (the grammar's mask at each window position; drafts it forbids are rejected),
+    `logprobs` [S]. Returns (accepted drafts [S], emitted tokens [S, k+1], next drafts [S, mtp_k],
+    (log-probabilities [S, k+1, ...], with `logprobs`), cache rolled back to what was kept, routing counts)."""
     model = nnx.merge(graphdef, state)
     logits, hidden, after, replays = model.verify(tokens, cache, n_valid, rows)
     n_drafts = jnp.maximum(n_valid - 1, 0)
-    n_acc, out = accept(logits, tokens[:, 1:], n_drafts, temperature, top_k, top_p, seed, cache.lengths)
+    n_acc, out = accept(_masked(logits, mask), tokens[:, 1:], n_drafts, temperature, top_k, top_p, seed,
+                        cache.lengths)
     n_keep = jnp.where(n_valid > 0, 1 + n_acc, 0)
     cache = rollback(cache, after, replays, n_keep)
     drafts = _no_drafts(tokens.shape[0])
     if mtp_k:
         # The kept positions' hidden states paired with the tokens that followed them: accepted drafts + bonus.
         drafts, cache = model.mtp_drafts(hidden, out, cache, n_keep, mtp_k)
-    return n_acc, out, drafts, cache, nnx.state(model, RoutingCounts)
+    return n_acc, out, drafts, *_logprobs(logits, out, logprobs), cache, nnx.state(model, RoutingCounts)
 
 
 STEPS: dict[str, Callable] = {"prefill": prefill_step, "decode": decode_step, "verify": verify_step}
@@ -185,21 +213,36 @@ def _sampling(sampling: Sampling) -> tuple[jax.Array, ...]:
             jnp.asarray(seed, jnp.uint32))
 
 
-def prefill_args(slots, tokens, n_valid, next_token, sampling: Sampling, rows=(), row_dtype=jnp.float32) -> tuple:
+def _extras(mask, logprobs) -> tuple:
+    """The optional (mask, logprobs) inputs: both or neither (a host array or one already on the device)."""
+    if mask is None and logprobs is None:
+        return ()
+    return (jnp.asarray(mask, jnp.int32), jnp.asarray(logprobs, bool))
+
+
+def prefill_args(slots, tokens, n_valid, next_token, sampling: Sampling, rows=(), row_dtype=jnp.float32, mask=None,
+                 logprobs=None) -> tuple:
     """`prefill_step`'s inputs after the cache: chunks tokens [P, C] of slots [P], their real lengths and following
-    tokens [P], per-row sampling arrays [P], PLE rows (one array [P, C, D] per PLE layer)."""
+    tokens [P], per-row sampling arrays [P], PLE rows (one array [P, C, D] per PLE layer); optionally token masks
+    [P, W] and log-probability requests [P] (both or neither)."""
     return (jnp.asarray(slots, jnp.int32), jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32),
-            jnp.asarray(next_token, jnp.int32), _rows(rows, row_dtype), *_sampling(sampling))
+            jnp.asarray(next_token, jnp.int32), _rows(rows, row_dtype), *_sampling(sampling),
+            *_extras(mask, logprobs))
 
 
-def decode_args(tokens, active, sampling: Sampling, rows=(), row_dtype=jnp.float32) -> tuple:
+def decode_args(tokens, active, sampling: Sampling, rows=(), row_dtype=jnp.float32, mask=None,
+                logprobs=None) -> tuple:
     """`decode_step`'s inputs after the cache: tokens [S] (host or device array), active [S] bool, per-slot
-    sampling arrays [S], PLE rows (one array [S, 1, D] per PLE layer)."""
-    return (jnp.asarray(tokens, jnp.int32), jnp.asarray(active, bool), _rows(rows, row_dtype), *_sampling(sampling))
+    sampling arrays [S], PLE rows (one array [S, 1, D] per PLE layer); optionally token masks [S, W] and
+    log-probability requests [S] (both or neither)."""
+    return (jnp.asarray(tokens, jnp.int32), jnp.asarray(active, bool), _rows(rows, row_dtype), *_sampling(sampling),
+            *_extras(mask, logprobs))
 
 
-def verify_args(tokens, n_valid, sampling: Sampling, rows=(), row_dtype=jnp.float32) -> tuple:
+def verify_args(tokens, n_valid, sampling: Sampling, rows=(), row_dtype=jnp.float32, mask=None,
+                logprobs=None) -> tuple:
     """`verify_step`'s inputs after the cache: windows tokens [S, k+1], n_valid [S], per-slot sampling arrays [S],
-    PLE rows (one array [S, k+1, D] per PLE layer)."""
+    PLE rows (one array [S, k+1, D] per PLE layer); optionally token masks [S, k+1, W] and log-probability requests
+    [S] (both or neither)."""
     return (jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32), _rows(rows, row_dtype),
-            *_sampling(sampling))
+            *_sampling(sampling), *_extras(mask, logprobs))

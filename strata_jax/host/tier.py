@@ -83,7 +83,8 @@ class HostTier:
         """The layer's experts for the current kernel (built on first use after a change)."""
         if self._stack is None:
             if not self.loaded:
-                raise RuntimeError("the host tier's experts were never loaded")
+                raise RuntimeError("the host tier's experts were never loaded (a layer with host_path='stream' keeps "
+                                   "them in pinned host memory and computes none on the host)")
             if self.kernel == "xla":
                 cpu = _cpu_device()
                 self._stack = XlaStack(*(self._packed(k, lambda a: jax.device_put(a, cpu)) for k in _PROJECTIONS))
@@ -92,8 +93,9 @@ class HostTier:
         return self._stack
 
     def warm_up(self, max_rows: int) -> None:
-        """Compiles the host kernels for up to `max_rows` rows per expert (every layer of a model shares them)."""
-        if isinstance(self.stack, XlaStack):
+        """Compiles the host kernels for up to `max_rows` rows per expert (every layer of a model shares them); a
+        tier that holds nothing (its layer streams its experts instead) has nothing to compile."""
+        if self.loaded and isinstance(self.stack, XlaStack):
             self.stack.warm_up(max_rows)
 
     def compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> np.ndarray:

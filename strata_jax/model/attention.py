@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.decode_attention import MAX_TOKENS, decode_attention
+from pallas_kernels.decode_attention import MAX_TOKENS, decode_attention, quantize_kv
 from pallas_kernels.prefill_attention import dense_mask, prefill_attention
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import AttentionCache
@@ -23,7 +23,8 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
 
 def _write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """Scatters new [B, T, H, D] into cache [B, H, S, D] at positions [B, T]; positions >= S are dropped. (The
-    index arrays around the head slice put their broadcast dims first: the update is addressed as [B, T, H, D].)"""
+    index arrays around the head slice put their broadcast dims first: the update is addressed as [B, T, H, D].)
+    Also scales: new [B, T, H] into [B, H, S]."""
     rows = jnp.arange(cache.shape[0])[:, None]
     return cache.at[rows, :, positions].set(new.astype(cache.dtype), mode="drop")
 
@@ -186,6 +187,13 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).reshape(bsz, t, kvh, d)), cos, sin)
         v = self.v_proj(x).reshape(bsz, t, kvh, d)
+        scales = {}
+        if cache.k_scale is not None:
+            # Quantized on write, each token's keys and values from their own values (one scale per kv head): the
+            # new tokens then attend to their own keys as every later step will see them.
+            (k, k_scale), (v, v_scale) = quantize_kv(k, cache.k.dtype), quantize_kv(v, cache.v.dtype)
+            scales = dict(k_scale=_write_kv(cache.k_scale, k_scale, positions),
+                          v_scale=_write_kv(cache.v_scale, v_scale, positions))
         k_all = _write_kv(cache.k, k, positions)
         v_all = _write_kv(cache.v, v, positions)
         s = k_all.shape[2]
@@ -198,11 +206,11 @@ class Attention(nnx.Module):
         q = q.reshape(bsz, t, kvh, group, d)
         if t > MAX_TOKENS:
             # Prefill: a loop over the filled key blocks, masks built per block (no [B, T, S] array).
-            out = prefill_attention(q, k_all, v_all, start, chosen=chosen, compress_ratio=c)
+            out = prefill_attention(q, k_all, v_all, start, chosen=chosen, compress_ratio=c, **scales)
         else:
             # The kernel (on a GPU, for decode and verify) reads each slot's cache only up to its last new token.
             mask = dense_mask(positions, s, chosen, c)  # [B, T, S]: cheap at T <= MAX_TOKENS
-            out = decode_attention(q, k_all, v_all, mask, jnp.minimum(start + t, s))
+            out = decode_attention(q, k_all, v_all, mask, jnp.minimum(start + t, s), **scales)
         out = out.reshape(bsz, t, -1)
         out = out * jax.nn.sigmoid(gate)
-        return self.o_proj(out), cache.replace(k=k_all, v=v_all, index_k=index_k, block_keys=block_keys)
+        return self.o_proj(out), cache.replace(k=k_all, v=v_all, index_k=index_k, block_keys=block_keys, **scales)

@@ -1,6 +1,7 @@
 """Explicit, fixed-shape cache pytrees. Every array is [batch, ...]; steps take a cache and return a new one.
 
 - attention layers: K and V for `max_len` positions (+ the QSA indexer's raw keys and its finished block keys);
+  K and V may be stored quantized (int8 or fp8 e4m3, `KV_DTYPES`) with one float32 scale per (kv head, position);
 - Gated DeltaNet layers: the causal-conv tail (K-1 inputs) and the float32 recurrent state [Hv, Dk, Dv];
 - PLE layers: the tail of the dilated conv; the n-gram token context stays on the host (it is token ids).
 `lengths[b]` is how many tokens row b has consumed; positions of new tokens start there.
@@ -12,7 +13,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels.decode_attention import is_quantized
 from strata_jax.model.config import ModelConfig
+
+# Quantized KV cache dtypes by name (`init_cache(kv_dtype=...)`, EngineConfig.cache_dtype "int8" / "fp8"). Only K and
+# V are quantized: the QSA index keys and block keys stay in the cache dtype (they are 1/8 and 1/32 of a bf16 KV at
+# Flash-Next's shapes and decide which blocks are attended: a rounding there changes the selection, not a value),
+# and Gated DeltaNet's recurrent state stays float32 (it is a running sum rewritten every token: quantizing it
+# would compound the error at every step, and at a fixed [Hv, Dk, Dv] per slot it does not grow with the context).
+KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
 @struct.dataclass
@@ -28,6 +37,10 @@ class AttentionCache:
     # when real tokens complete them.
     block_keys: jax.Array | None = None
     compress_ratio: int = struct.field(pytree_node=False, default=1)
+    # [B, kv_heads, S] float32 when k and v are quantized (int8 / fp8): position s of head h holds k[:, h, s] *
+    # k_scale[:, h, s] (pallas_kernels.decode_attention.quantize_kv). None for a float cache.
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     def map_positions(self, fn) -> "AttentionCache":
         """Applies fn(array, position_axis) to every array (e.g. to cut or pad the positions).
@@ -44,8 +57,11 @@ class AttentionCache:
             if d % c == 0:
                 out = fn(bk.reshape(b, n * c, d // c), 1)
                 bk = out[:, : out.shape[1] // c * c].reshape(b, -1, d)
+        scales = {}
+        if self.k_scale is not None:  # [B, kv_heads, S]: the same position axis as k and v
+            scales = dict(k_scale=fn(self.k_scale, KV_POSITION_AXIS), v_scale=fn(self.v_scale, KV_POSITION_AXIS))
         return self.replace(k=fn(self.k, KV_POSITION_AXIS), v=fn(self.v, KV_POSITION_AXIS),
-                            index_k=None if self.index_k is None else fn(self.index_k, 1), block_keys=bk)
+                            index_k=None if self.index_k is None else fn(self.index_k, 1), block_keys=bk, **scales)
 
 
 KV_POSITION_AXIS = 2
@@ -104,14 +120,25 @@ def cache_len_for(cfg: ModelConfig, max_len: int) -> int:
     return -(-max_len // c) * c
 
 
-def _attention_cache(cfg: ModelConfig, batch: int, s: int, dtype: jnp.dtype) -> AttentionCache:
+def kv_dtype_of(name: str | None):
+    """The KV storage dtype for a cache dtype name: int8 / float8_e4m3fn for "int8" / "fp8", else None (K and V
+    in the cache's float dtype)."""
+    return KV_DTYPES.get(name) if name else None
+
+
+def _attention_cache(cfg: ModelConfig, batch: int, s: int, dtype: jnp.dtype, kv_dtype=None) -> AttentionCache:
     shape = (batch, cfg.num_kv_heads, s, cfg.head_dim)
+    kv = dtype if kv_dtype is None else kv_dtype
+    scales = {}
+    if is_quantized(kv):
+        scales = dict(k_scale=jnp.zeros(shape[:3], jnp.float32), v_scale=jnp.zeros(shape[:3], jnp.float32))
     if not cfg.qsa:
-        return AttentionCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index_k=None)
+        return AttentionCache(k=jnp.zeros(shape, kv), v=jnp.zeros(shape, kv), index_k=None, **scales)
     c = cfg.indexer_compress_ratio
-    return AttentionCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    return AttentionCache(k=jnp.zeros(shape, kv), v=jnp.zeros(shape, kv),
                           index_k=jnp.zeros((batch, s, cfg.indexer_head_dim), dtype),
-                          block_keys=jnp.zeros((batch, s // c, cfg.indexer_head_dim), dtype), compress_ratio=c)
+                          block_keys=jnp.zeros((batch, s // c, cfg.indexer_head_dim), dtype), compress_ratio=c,
+                          **scales)
 
 
 def _deltanet_cache(cfg: ModelConfig, batch: int, dtype: jnp.dtype) -> DeltaNetCache:
@@ -122,15 +149,20 @@ def _deltanet_cache(cfg: ModelConfig, batch: int, dtype: jnp.dtype) -> DeltaNetC
     )
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype, with_mtp: bool = False) -> ModelCache:
-    """Zeroed cache for `batch` rows of up to `max_len` tokens."""
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype, with_mtp: bool = False,
+               kv_dtype=None) -> ModelCache:
+    """Zeroed cache for `batch` rows of up to `max_len` tokens, in `dtype` (float32 recurrent state aside).
+    `kv_dtype`: the attention K and V's storage dtype instead (int8 or float8_e4m3fn: quantized, with scales;
+    `kv_dtype_of` maps the names "int8" / "fp8"); None: `dtype`."""
+    if kv_dtype is not None and not is_quantized(kv_dtype) and not jnp.issubdtype(kv_dtype, jnp.floating):
+        raise ValueError(f"kv_dtype must be a float dtype, int8 or float8_e4m3fn, got {jnp.dtype(kv_dtype)}")
     s = cache_len_for(cfg, max_len)
     layers = []
     for i in range(cfg.num_layers):
         if cfg.layer_is_linear(i):
             mixer = _deltanet_cache(cfg, batch, dtype)
         else:
-            mixer = _attention_cache(cfg, batch, s, dtype)
+            mixer = _attention_cache(cfg, batch, s, dtype, kv_dtype)
         ple = None
         if i in cfg.ple_layers:
             width = cfg.hidden_size * max(cfg.hc_count, 1)
@@ -139,7 +171,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype, wit
     lengths = jnp.zeros((batch,), jnp.int32)
     if not with_mtp:
         return ModelCache(layers=tuple(layers), lengths=lengths)
-    mtp = LayerCache(mixer=_attention_cache(cfg, batch, s, dtype))
+    mtp = LayerCache(mixer=_attention_cache(cfg, batch, s, dtype, kv_dtype))
     return ModelCache(layers=tuple(layers), lengths=lengths, mtp=mtp, mtp_lengths=jnp.zeros((batch,), jnp.int32))
 
 

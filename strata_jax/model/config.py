@@ -249,6 +249,9 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError("num_experts_per_tok must be in [1, num_experts]")
 
 
+HOST_PATHS = ("compute", "stream")  # ExpertQuantization.host_path
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertQuantization:
     """Routed experts as packed sign bit-planes (docs/FORMATS.md, "Packed expert format")."""
@@ -259,10 +262,23 @@ class ExpertQuantization:
     # Experts per MoE layer in the device pool (the planner's `gpu_experts`); the others are computed on the host
     # (strata_jax/host). None, or >= num_experts: every expert on the device (no host tier at all).
     gpu_experts: int | None = None
+    # How experts outside the pool are served (docs/FORMATS.md, "Host tier"): "compute" (computed on the host CPU
+    # from their packed bytes) or "stream" (kept in pinned host memory and copied into the step's staging rows on
+    # the device: strata_jax/model/expert_stream.py). The planner chooses per device (`planner.stream_plan`).
+    host_path: str = "compute"
+    # Streaming only: staging rows per round for decode/verify calls (None: sized per call from its pairs and the
+    # pool's share) and for prompt chunks (None: every expert outside the pool, one round).
+    copy_slots: int | None = None
+    prefill_copy_slots: int | None = None
 
     def __post_init__(self):
         if self.gpu_experts is not None and self.gpu_experts < 1:
             raise ValueError(f"gpu_experts must be >= 1, got {self.gpu_experts}")
+        if self.host_path not in HOST_PATHS:
+            raise ValueError(f"host_path must be one of {', '.join(HOST_PATHS)}, got {self.host_path!r}")
+        for name in ("copy_slots", "prefill_copy_slots"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.planes <= 4:
             raise ValueError(f"planes must be 1..4, got {self.planes}")
         if self.group not in (64, 128, 256):

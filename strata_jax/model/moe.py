@@ -18,6 +18,8 @@ from flax import nnx
 from pallas_kernels import PackedExperts, moe_experts_1bit
 from pallas_kernels.activations import silu
 from strata_jax.model.config import ExpertQuantization, ModelConfig
+from strata_jax.model.expert_stream import STAT_NAMES, RowLayout, streamed_experts, to_host_memory
+from strata_jax.model.expert_parallel import run_experts
 from strata_jax.model.layers import MLP, Linear
 from strata_jax.model.params import empty_param
 
@@ -56,6 +58,16 @@ def _initial_slots(num_experts: int, pool: int) -> jax.Array:
 
 class RoutingCounts(nnx.Variable):
     """int32 [E]: routed (real token, expert) pairs per expert since the engine last read and cleared them."""
+
+
+class StreamCounts(RoutingCounts):
+    """int32 [3]: a streaming layer's counters since the engine last read them (`expert_stream.STAT_NAMES`: experts
+    staged, rows copied, rounds). A kind of `RoutingCounts`, so that every step returns them with the counts."""
+
+
+class HostExpertRows(nnx.Variable):
+    """uint32 [E, words]: every expert's packed row in pinned host memory (`expert_stream.RowLayout`); not a
+    `nnx.Param`, so the planner counts none of it as device weights."""
 
 
 # Standard deviation of the Gumbel distribution: standardized logits times this, plus log p, select experts
@@ -130,10 +142,13 @@ class QuantizedExperts(nnx.Module):
     """Routed experts as packed sign bit-planes + bf16 group scales, multiplied by `pallas_kernels`.
 
     With `quant.gpu_experts` below the number of experts, the four arrays hold a device pool of that many expert
-    slots, `slot_of` maps experts to slots (-1: on the host) and `host` (built by `host_experts`) keeps every
-    expert's packed bytes in host memory. A step then runs the pool's pairs through the kernel (host pairs weighted
-    0 there) and all host pairs of the layer through one host callback, and counts routing per expert in `counts`
-    (for hot-expert placement). Without a pool the code path is exactly the all-on-device one."""
+    slots and `slot_of` maps experts to slots (-1: outside the pool). `quant.host_path` says how the others
+    are served: "compute": `host` (built by `host_experts`) keeps every expert's packed bytes in host memory and a
+    step runs the pool's pairs through the kernel (host pairs weighted 0 there) and all host pairs of the layer
+    through one host callback; "stream": `host_rows` keeps every expert's packed row in pinned host memory and the
+    step copies the missing ones to the device and runs them through the kernel (`expert_stream`; `host`, when the
+    loader built one, stays empty). Either way routing per expert is counted in `counts` (for hot-expert
+    placement). Without a pool the code path is exactly the all-on-device one."""
 
     def __init__(self, cfg: ModelConfig, quant: ExpertQuantization, host_experts: HostExpertsFactory | None = None):
         e, i, h, p, g = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, quant.planes, quant.group
@@ -145,25 +160,40 @@ class QuantizedExperts(nnx.Module):
         self.gate_up_scales = empty_param((pool, p, -(-h // g), 2 * i), jnp.bfloat16)
         self.down_bits = empty_param((pool, p, i // 32, h), jnp.uint32)
         self.down_scales = empty_param((pool, p, -(-i // g), h), jnp.bfloat16)
-        if pool < e and host_experts is None:
+        self.streaming = pool < e and quant.host_path == "stream"
+        if pool < e and host_experts is None and not self.streaming:
             raise ValueError(f"{pool} of {e} experts in the device pool: the others need host_experts")
-        self.host = host_experts(g) if pool < e else None
-        if self.host is not None:
+        self.host = host_experts(g) if pool < e and host_experts is not None else None
+        if pool < e:
             self.slot_of = ExpertSlots(_initial_slots(e, pool))
             self.counts = RoutingCounts(jnp.zeros((e,), jnp.int32))
+        if self.streaming:
+            self.layout = RowLayout.of(h, i, p, g)
+            self.host_rows = HostExpertRows(jnp.zeros((e, self.layout.words), jnp.uint32))
+            self.streamed = StreamCounts(jnp.zeros((len(STAT_NAMES),), jnp.int32))
+            self.rows_loaded = frozenset()  # kinds packed into host_rows so far (`load`)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether some experts live outside the device pool (computed on the host or streamed)."""
+        return self.pool_size < self.num_experts
 
     def load(self, kind: str, bits, scales) -> None:
         """Sets `kind` ("gate_up" / "down") from all E experts' packed numpy arrays: the whole stack on the device,
-        or, with a host tier, every expert kept on the host and the initial pool (experts 0..pool-1) on the device."""
-        if self.host is None:
+        or, with a host tier, every expert kept on the host and the initial pool (experts 0..pool-1) on the device.
+        Streaming, each kind is packed into the rows as it comes, which move to pinned host memory once both have."""
+        if not self.tiered:
             getattr(self, f"{kind}_bits").set_value(jnp.asarray(bits))
             getattr(self, f"{kind}_scales").set_value(jnp.asarray(scales))
             return
         bits, scales = np.asarray(bits), np.asarray(scales)
         if scales.dtype != ml_dtypes.bfloat16:
             scales = scales.astype(ml_dtypes.bfloat16)
-        self.host.set(f"{kind}_bits", bits)
-        self.host.set(f"{kind}_scales", scales)
+        if self.streaming:
+            self._pack_rows(kind, bits, scales)
+        else:
+            self.host.set(f"{kind}_bits", bits)
+            self.host.set(f"{kind}_scales", scales)
         getattr(self, f"{kind}_bits").set_value(jnp.asarray(bits[: self.pool_size]))
         getattr(self, f"{kind}_scales").set_value(jnp.asarray(scales[: self.pool_size]))
         # Built abstractly (nnx.eval_shape) like the parameters: make the map and the counters concrete too.
@@ -171,18 +201,39 @@ class QuantizedExperts(nnx.Module):
         self.slot_of.set_value(_initial_slots(e, self.pool_size))
         self.counts.set_value(jnp.zeros((e,), jnp.int32))
 
+    def _pack_rows(self, kind: str, bits: np.ndarray, scales: np.ndarray) -> None:
+        rows = self.host_rows.get_value()
+        if not isinstance(rows, np.ndarray):  # abstract or already on the host memory: (re)build from scratch
+            rows = np.zeros((self.num_experts, self.layout.words), np.uint32)
+            self.rows_loaded = frozenset()
+        self.layout.pack_part(rows, f"{kind}_bits", bits)
+        self.layout.pack_part(rows, f"{kind}_scales", scales)
+        self.rows_loaded = self.rows_loaded | {kind}
+        if self.rows_loaded == {"gate_up", "down"}:
+            self.host_rows.set_value(to_host_memory(rows))
+            self.streamed.set_value(jnp.zeros((len(STAT_NAMES),), jnp.int32))
+        else:  # a numpy buffer until the other kind arrives
+            self.host_rows.set_value(rows)
+
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """x [N, H], ids/weights [N, k]; `valid` (bool [N], default all) marks the real tokens: padding and idle
         slots neither count as routing nor cost host work."""
         g = self.quant.group
         gate_up = PackedExperts(self.gate_up_bits[...], self.gate_up_scales[...], g)
         down = PackedExperts(self.down_bits[...], self.down_scales[...], g)
-        if self.host is None:
+        if not self.tiered:
             return moe_experts_1bit(x, ids, weights, gate_up, down, impl=self.quant.impl)
         if valid is None:
             valid = jnp.ones((x.shape[0],), bool)
         self.counts[...] = self.counts[...] + jnp.zeros((self.num_experts,), jnp.int32).at[ids].add(
             jnp.broadcast_to(valid[:, None], ids.shape).astype(jnp.int32))
+        if self.streaming:
+            q = self.quant
+            out, stats = streamed_experts(x, ids, weights, valid, self.slot_of[...], gate_up, down,
+                                          self.host_rows[...], self.layout, copy_slots=q.copy_slots,
+                                          prefill_copy_slots=q.prefill_copy_slots, impl=q.impl)
+            self.streamed[...] = self.streamed[...] + stats
+            return out
         slot = self.slot_of[...][ids]
         on_device = slot >= 0
         device = moe_experts_1bit(x, jnp.where(on_device, slot, 0), jnp.where(on_device, weights, 0.0), gate_up,
@@ -235,6 +286,7 @@ class SparseMoe(nnx.Module):
         flat = x.reshape(-1, shape[-1])
         bias = self.gate.bias[...] if hasattr(self.gate, "bias") else None
         ids, weights = route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, bias)
-        routed = self.experts(flat, ids, weights, None if real is None else real.reshape(-1))
+        # A plain call unless the step runs expert parallel over a mesh (strata_jax/model/expert_parallel.py).
+        routed = run_experts(self.experts, flat, ids, weights, None if real is None else real.reshape(-1))
         shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).reshape(shape)

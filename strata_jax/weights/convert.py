@@ -168,3 +168,59 @@ def restore_params(model: nnx.Module, path: Path) -> None:
                 if tuple(arr.shape) != tuple(node.shape):
                     raise CheckpointError(f"tensor {name!r} has shape {arr.shape}, expected {tuple(node.shape)}")
                 node.set_value(jnp.asarray(arr, node.dtype))
+
+
+def convert_from_gguf(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", planes: int | None = None,
+                      group: int | None = None) -> dict:
+    """A llama.cpp GGUF (or split set) -> a converted directory (`python -m strata_jax quantize --from-gguf`).
+
+    The experts keep the format the GGUF load chose (`strata_jax.weights.gguf_loader.plan_experts`: Q1_0 / TQ*_0
+    bit for bit), or `planes`/`group` when given; config.json and the tokenizer files are written from the GGUF's
+    metadata. PLE models are refused: a converted directory re-derives the PLE hash from a seed the GGUF lacks."""
+    from strata_jax.weights.gguf_config import hf_config_dict
+    from strata_jax.weights.gguf_loader import build_from_gguf
+    from strata_jax.weights.gguf_reader import GGUFError, GGUFFile
+    from strata_jax.weights.gguf_tokenizer import tokenizer_files
+
+    src, out = Path(src), Path(out)
+    g = GGUFFile(src)
+    raw = hf_config_dict(g)
+    if raw.get("ple_layer_ids"):
+        raise GGUFError(f"{src} has a PLE layer: load the GGUF directly (a converted directory derives the PLE hash "
+                        "from a seed the GGUF does not store)")
+    jdtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
+    quantize = "1bit" if planes or group else None
+    built = build_from_gguf(src, jdtype, quantize, planes=planes or 1, group=group or 128)
+    quant = next((n.quant for _, n in nnx.iter_graph(built.model) if isinstance(n, QuantizedExperts)), None)
+    if quant is None:
+        raise GGUFError(f"{src}: its experts are not in a 1-2 bit type; pass --planes/--group to pack them")
+    meta = {"format": FORMAT, "planes": quant.planes, "group": quant.group, "dtype": dtype,
+            "source": str(src.resolve()), "gguf": {"exact": len(built.report.exact), "repacked": built.report.repacked}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "params").mkdir(exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    started = time.monotonic()
+    parts = plan_parts(built.model)
+    for done, (part, entries) in enumerate(sorted(parts.items()), 1):
+        arrays = {}
+        for path, node in entries:
+            name = ".".join(str(p) for p in path)
+            if isinstance(node, QuantizedExperts):
+                for k in ("gate_up", "down"):
+                    arrays[f"{name}.{k}_bits"] = np.asarray(getattr(node, f"{k}_bits")[...])
+                    arrays[f"{name}.{k}_scales"] = np.asarray(getattr(node, f"{k}_scales")[...])
+            else:
+                arrays[name] = np.asarray(node[...])
+        target = out / "params" / part
+        if target.exists():
+            shutil.rmtree(target)
+        checkpointer.save(target.resolve(), arrays)
+        checkpointer.wait_until_finished()
+        _progress(done, len(parts), part, started, "")
+    raw["architectures"] = ["Qwen4ExpForCausalLM" if raw["model_type"] == "qwen4_exp_text" else "Qwen3NextForCausalLM"]
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    tok_json, tok_config = tokenizer_files(g)
+    (out / "tokenizer.json").write_text(json.dumps(tok_json, ensure_ascii=False))
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, ensure_ascii=False, indent=2))
+    (out / MARKER).write_text(json.dumps(meta, indent=2))
+    return meta

@@ -110,7 +110,7 @@ def test_deep_nesting_is_a_400(server):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}]}]})
     assert_error(post(server, MESSAGES, raw.replace('"@"', nested).encode()), 400, "nests arrays/objects")
     # Brackets inside strings do not count, and 100 levels are fine.
-    fine = {**ANTHROPIC_OK, "metadata": json.loads("[" * 100 + "]" * 100), "system": "[[[[[[" * 50}
+    fine = {**ANTHROPIC_OK, "extra_field": json.loads("[" * 100 + "]" * 100), "system": "[[[[[[" * 50}
     assert post(server, MESSAGES, fine).status_code == 200
 
 

@@ -1,0 +1,282 @@
+"""`python -m strata_jax.bench --mode agents`: N concurrent coding-agent sessions shaped like Claude Code's.
+
+Each session is a multi-turn conversation: a first turn of ~20-27K tokens whose system prompt and tool definitions
+are the same in every session (on a model with a tokenizer: Claude Code's captured first request, rendered with
+the model's chat template, the user message made per session; on a synthetic model: random token ids of the same
+structure), then `--turns` later turns, each appending the answer and a tool result of `--tool-tokens` tokens to the
+conversation, token for token as the server's rendering does, and generating `--answer-tokens` tokens. Sessions
+arrive `--stagger-s` apart (`--together`: at once).
+
+Reported per session count: time to first token p50 / p95 by turn kind (first / later), each session's decode
+tok/s while other sessions prefill (and while none does), aggregate tok/s, prefix-cache hit tokens, and the prefix
+cache's snapshot time and memory (engine stats). One engine with max(--sessions) slots serves every count (as one
+server would); each count's conversations start with a different token, so no count reuses another's prefixes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from importlib import resources
+
+import jax
+import numpy as np
+
+from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from strata_jax.loaded_model import LoadedModel
+
+_TOOL_TEXT = "    def handle(self, request):\n        return self.router.dispatch(request.path, request.body)\n"
+
+
+def agents_args(p: argparse.ArgumentParser) -> None:
+    """The agents mode's flags (it also uses --preset/--model-dir, --ctx, --prefill-chunks, --prefill-batch,
+    --prefix-cache-mib and --dtype)."""
+    g = p.add_argument_group("agents mode")
+    ints = lambda v: tuple(int(x) for x in v.split(","))  # noqa: E731
+    g.add_argument("--sessions", default="1,4,8", type=ints, help="comma-separated concurrent session counts")
+    g.add_argument("--turns", type=int, default=3, help="later turns per session, after the first")
+    g.add_argument("--first-turn", choices=["claude-code", "synthetic"], default=None,
+                   help="first turns from Claude Code's captured request (default with a tokenizer) or synthetic "
+                        "token ids (default without one)")
+    g.add_argument("--shared-tokens", type=int, default=16000,
+                   help="synthetic first turns: tokens every session shares (system prompt and tools)")
+    g.add_argument("--first-tokens", default="20000,27000", type=ints,
+                   help="synthetic first turns: MIN,MAX tokens (the shared ones included)")
+    g.add_argument("--tool-tokens", default="300,4000", type=ints, help="MIN,MAX tokens of each tool result")
+    g.add_argument("--answer-tokens", default="50,500", type=ints, help="MIN,MAX tokens generated per turn")
+    g.add_argument("--stagger-s", type=float, default=2.0, help="seconds between session arrivals")
+    g.add_argument("--together", action="store_true", help="every session arrives at once (--stagger-s 0)")
+    g.add_argument("--decode-share", type=float, default=None,
+                   help="EngineConfig.decode_share (default the engine's: 0.7)")
+    g.add_argument("--mixed-step-ms", type=float, default=None,
+                   help="EngineConfig.mixed_step_ms (default the engine's: 100)")
+    g.add_argument("--prefix-cache-device-mib", type=int, default=0,
+                   help="EngineConfig.prefix_cache_device_mib: device memory for recent snapshots (default 0)")
+    g.add_argument("--share-min-tokens", type=int, default=None,
+                   help="EngineConfig.share_min_tokens (default the engine's: 1024)")
+    g.add_argument("--snapshot-every", type=int, default=None,
+                   help="EngineConfig.snapshot_every (default the engine's: 1024)")
+    g.add_argument("--agents-seed", type=int, default=0, help="seed of the sizes and synthetic tokens")
+
+
+def claude_code_body() -> dict:
+    """Claude Code's first Messages request (captured; its text scrambled), as shipped with the bench."""
+    return json.loads(resources.files("strata_jax.bench").joinpath("data/claude_code_first_turn.json").read_text())
+
+
+def claude_code_first_turns(tokenizer, sessions: int, run: int) -> list[tuple[int, ...]]:
+    """Each session's first prompt: Claude Code's first request rendered like the server renders it, its user
+    message made per session and its system prompt tagged with `run` (different runs share no prefix)."""
+    from server.anthropic_request import parse_messages_request
+    from server.prompt import render_prompt
+
+    out = []
+    for s in range(sessions):
+        body = claude_code_body()
+        body["system"][1]["text"] = f"[run {run}] " + body["system"][1]["text"]
+        blocks = body["messages"][0]["content"]
+        blocks[-1]["text"] = f"Session {s}: fix the failing test in module_{s}.py. " + blocks[-1]["text"]
+        out.append(tuple(render_prompt(tokenizer, parse_messages_request(body).prompt).ids))
+    return out
+
+
+def synthetic_first_turns(vocab: int, sessions: int, shared: int, lengths: tuple[int, int],
+                          rng: np.random.Generator) -> list[tuple[int, ...]]:
+    """Random first prompts: `shared` tokens common to all (starting with a token of this run), the rest each
+    session's own, lengths drawn from `lengths` (MIN, MAX)."""
+    common = [int(t) for t in rng.integers(0, vocab, shared)]
+    out = []
+    for _ in range(sessions):
+        n = int(rng.integers(lengths[0], lengths[1] + 1))
+        out.append(tuple(common[:n] + [int(t) for t in rng.integers(0, vocab, max(n - shared, 0))]))
+    return out
+
+
+def tool_result(tokenizer, vocab: int, n: int, rng: np.random.Generator) -> tuple[int, ...]:
+    """`n` tokens of a tool result closing the assistant turn and opening the next (chat-formatted code with a
+    tokenizer, random ids without one)."""
+    if tokenizer is None:
+        return tuple(int(t) for t in rng.integers(0, vocab, n))
+    head = tokenizer.encode("<|im_end|>\n<|im_start|>user\n<tool_response>\n")
+    tail = tokenizer.encode("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    body = tokenizer.encode(_TOOL_TEXT * (n // 8 + 1))[: max(n - len(head) - len(tail), 1)]
+    return tuple(head + body + tail)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _turn(engine: Engine, prompt: tuple[int, ...], max_tokens: int) -> dict:
+    submitted = time.perf_counter()
+    stream = await engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    times, ids, cached = [], [], 0
+    async for ev in stream:
+        if ev.prompt_tokens:
+            cached = ev.cached_tokens
+        if ev.token_id is not None:
+            times.append(time.perf_counter())
+            ids.append(ev.token_id)
+        if ev.finish_reason == "error":
+            raise RuntimeError(f"a turn failed: {ev.error}")
+    return {"submitted": submitted, "first": times[0], "times": times, "ids": ids, "cached": cached,
+            "prompt_tokens": len(prompt)}
+
+
+async def _session(engine: Engine, first: tuple[int, ...], delay: float, turns: int, tool, answers) -> list[dict]:
+    await asyncio.sleep(delay)
+    prompt, out = first, []
+    for t in range(turns + 1):
+        record = await _turn(engine, prompt, answers[t])
+        record["kind"] = "first" if t == 0 else "later"
+        out.append(record)
+        if t < turns:
+            prompt = prompt + tuple(record["ids"]) + tool[t]
+    return out
+
+
+def _decode_rates(sessions: list[list[dict]]) -> list[tuple[float | None, float | None]]:
+    """Per session: (decode tok/s over its inter-token gaps that overlap another session's prefill, over the
+    others). A session prefills from submitting a turn to that turn's first token."""
+    prefills = [[(r["submitted"], r["first"]) for r in turns] for turns in sessions]
+    out = []
+    for i, turns in enumerate(sessions):
+        others = [iv for j, ivs in enumerate(prefills) if j != i for iv in ivs]
+        busy = [0, 0.0]
+        quiet = [0, 0.0]
+        for r in turns:
+            for a, b in zip(r["times"], r["times"][1:]):
+                side = busy if any(s < b and a < e for s, e in others) else quiet
+                side[0] += 1
+                side[1] += b - a
+        out.append(tuple(n / s if s > 0 else None for n, s in (busy, quiet)))
+    return out
+
+
+def _inputs(args, model: LoadedModel, sessions: int, run: int, rng: np.random.Generator):
+    vocab = model.config.vocab_size
+    source = args.first_turn or ("claude-code" if model.tokenizer is not None else "synthetic")
+    if source == "claude-code":
+        if model.tokenizer is None:
+            raise ValueError("--first-turn claude-code needs a model with a tokenizer (not a synthetic preset)")
+        firsts = claude_code_first_turns(model.tokenizer, sessions, run)
+    else:
+        firsts = synthetic_first_turns(vocab, sessions, args.shared_tokens, args.first_tokens, rng)
+    tools = [[tool_result(model.tokenizer, vocab, int(rng.integers(args.tool_tokens[0], args.tool_tokens[1] + 1)),
+                          rng) for _ in range(args.turns)] for _ in range(sessions)]
+    answers = [[int(rng.integers(args.answer_tokens[0], args.answer_tokens[1] + 1)) for _ in range(args.turns + 1)]
+               for _ in range(sessions)]
+    return firsts, tools, answers
+
+
+def agents_context(args, longest_first: int) -> int:
+    """The slots' context: `--ctx`, or what the longest conversation can reach."""
+    needed = longest_first + args.turns * (args.tool_tokens[1] + args.answer_tokens[1]) + args.answer_tokens[1] + 16
+    if args.ctx is not None and args.ctx < needed:
+        raise ValueError(f"--ctx {args.ctx} is smaller than the longest conversation can grow ({needed} tokens)")
+    return args.ctx or needed
+
+
+def run_agents(args, model: LoadedModel) -> list[dict]:
+    """Runs each session count of `args.sessions` on one engine; returns one row per count."""
+    rng = np.random.default_rng(args.agents_seed)
+    counts = list(args.sessions)
+    inputs = {n: _inputs(args, model, n, run, rng) for run, n in enumerate(counts)}
+    ctx = agents_context(args, max(len(f) for firsts, _, _ in inputs.values() for f in firsts))
+    extra = {k: v for k, v in (("decode_share", args.decode_share), ("mixed_step_ms", args.mixed_step_ms),
+                               ("share_min_tokens", args.share_min_tokens), ("snapshot_every", args.snapshot_every))
+             if v is not None}
+    config = EngineConfig(slots=max(counts), max_context=ctx, prefill_chunks=args.prefill_chunks,
+                          prefill_batch=args.prefill_batch, prefix_cache_mib=args.prefix_cache_mib,
+                          prefix_cache_device_mib=args.prefix_cache_device_mib, **extra)
+    engine = Engine(model, config)
+    engine.start()
+    rows = []
+    try:
+        for n in counts:
+            firsts, tools, answers = inputs[n]
+            stagger = 0.0 if args.together else args.stagger_s
+            before = engine.stats()
+
+            async def all_sessions():
+                return await asyncio.gather(*[_session(engine, firsts[s], s * stagger, args.turns, tools[s],
+                                                       answers[s]) for s in range(n)])
+
+            started = time.perf_counter()
+            sessions = asyncio.run(all_sessions())
+            wall = time.perf_counter() - started
+            rows.append(_row(n, args, config, sessions, wall, before, engine.stats()))
+            _print_row(rows[-1])
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def _row(n: int, args, config: EngineConfig, sessions: list[list[dict]], wall: float, before: dict,
+         after: dict) -> dict:
+    turns = [r for s in sessions for r in s]
+    ttft = {k: [r["first"] - r["submitted"] for r in turns if r["kind"] == k] for k in ("first", "later")}
+    rates = _decode_rates(sessions)
+    busy = [b for b, _ in rates if b is not None]
+    quiet = [q for _, q in rates if q is not None]
+    delta = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731
+    return {
+        "sessions": n, "turns": args.turns + 1, "together": bool(args.together or args.stagger_s == 0),
+        "slots": config.slots, "ctx": config.max_context, "prefill_chunks": list(config.prefill_chunks),
+        "prefill_batch": config.prefill_batch,
+        "mixed_prefill": [after.get("mixed_prefill_width"), after.get("mixed_prefill_prompts")],
+        "first_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in turns if r["kind"] == "first"),
+        **{f"ttft_{k}_p{q}_s": _pct(v, q / 100) for k, v in ttft.items() for q in (50, 95)},
+        "decode_tok_s_while_others_prefill": statistics.mean(busy) if busy else None,
+        "decode_tok_s_otherwise": statistics.mean(quiet) if quiet else None,
+        "decode_tok_s_while_others_prefill_per_session": [b for b, _ in rates],
+        "aggregate_tok_s": sum(len(r["ids"]) for r in turns) / wall,
+        "wall_s": wall,
+        "prefix_cache_hit_tokens": sum(r["cached"] for r in turns),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in turns),
+        "prefix_cache_hits": delta("prefix_cache_hits_total"),
+        "prefix_cache_misses": delta("prefix_cache_misses_total"),
+        "snapshots_taken": delta("prefix_cache_snapshots_taken_total"),
+        "snapshot_seconds": delta("prefix_cache_snapshot_seconds_total"),
+        "snapshot_land_wait_seconds": delta("prefix_cache_land_wait_seconds_total"),
+        "prefix_cache_bytes": after.get("prefix_cache_bytes"),
+        "prefix_cache_device_bytes": after.get("prefix_cache_device_bytes"),
+        "shared_prefix_waits": delta("shared_prefix_waits_total"),
+        "prefill_deferred": delta("prefill_deferred_total"),
+        "max_decode_stall_s": after.get("max_decode_stall_seconds"),
+        "measured_on": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+    }
+
+
+def _s(v: float | None, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _print_row(r: dict) -> None:
+    print(f"agents {r['sessions']}: first-turn TTFT p50/p95 {_s(r['ttft_first_p50_s'])}/{_s(r['ttft_first_p95_s'])} s, "
+          f"later {_s(r['ttft_later_p50_s'])}/{_s(r['ttft_later_p95_s'])} s, decode "
+          f"{_s(r['decode_tok_s_while_others_prefill'], '.1f')} tok/s while others prefill "
+          f"({_s(r['decode_tok_s_otherwise'], '.1f')} otherwise), aggregate {r['aggregate_tok_s']:.1f} tok/s, "
+          f"{r['prefix_cache_hit_tokens']:,} of {r['prompt_tokens']:,} prompt tokens cached", flush=True)
+
+
+def print_agents_table(rows: list[dict]) -> None:
+    """The rows as a markdown table."""
+    print(f"\nMeasured on {rows[0]['measured_on'] if rows else '-'}; one engine of {rows[0]['slots'] if rows else '-'} "
+          "slots serves every count.")
+    print("\n| sessions | first TTFT p50 / p95 s | later TTFT p50 / p95 s | decode tok/s while others prefill "
+          "(otherwise) | aggregate tok/s | cached / prompt tokens | snapshots (s, MiB held) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        held = (r["prefix_cache_bytes"] or 0) / 2**20
+        print(f"| {r['sessions']} | {_s(r['ttft_first_p50_s'])} / {_s(r['ttft_first_p95_s'])} "
+              f"| {_s(r['ttft_later_p50_s'])} / {_s(r['ttft_later_p95_s'])} "
+              f"| {_s(r['decode_tok_s_while_others_prefill'], '.1f')} ({_s(r['decode_tok_s_otherwise'], '.1f')}) "
+              f"| {r['aggregate_tok_s']:.1f} | {r['prefix_cache_hit_tokens']:,} / {r['prompt_tokens']:,} "
+              f"| {r['snapshots_taken']} ({r['snapshot_seconds']:.2f} s, {held:,.0f}) |")

@@ -1,0 +1,101 @@
+"""How much prefill an engine iteration runs, and whose: the scheduler asks this policy every iteration.
+
+Three rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
+
+- **Width.** While no slot decodes, a prefill call takes the largest compiled shape (`EngineConfig.chunk` tokens x
+  up to `prefill_batch` prompts): nothing waits on it. While any slot decodes, it takes a mixed shape: of the
+  compiled (chunk width, prompts) shapes whose call took at most `mixed_step_ms` at warm-up, the one that carries
+  the most tokens for the prompts waiting (one prompt alone gets the widest piece that fits); or
+  `EngineConfig.mixed_prefill` when given. A decoding stream then waits at most about that long for a token.
+- **Share.** While slots decode, prefill calls get at most 1 - `decode_share` of the engine's time: a call is
+  skipped (the decoders step alone) while the prefill time spent since decoding began exceeds that share of the
+  decode time. A decoding stream keeps at least `decode_share` of its solo rate, whatever the widths cost.
+- **Order.** Waiting prompts go shortest remaining prefill first (a later turn with a few thousand new tokens on a
+  cached prefix overtakes a fresh 27,000-token first turn), aged so that nothing starves: a prompt's key is its
+  remaining tokens / (1 + seconds since it was submitted / `prefill_aging_s`). Prompts that run together in one
+  call are the first in that order with others of the same compiled width.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.job import Job
+
+
+def mixed_shapes(config: EngineConfig, seconds: Mapping[tuple[str, int, int], float]) -> list[tuple[int, int]]:
+    """The (chunk width, prompts) shapes a prefill call may take while slots decode: `config.mixed_prefill` if
+    given, else those whose warm-up call (`seconds`, keyed (step, width, batch)) took at most
+    `config.mixed_step_ms`, else the smallest (width, 1)."""
+    if config.mixed_prefill is not None:
+        return [tuple(config.mixed_prefill)]
+    limit = config.mixed_step_ms / 1e3
+    fits = sorted((w, b) for (name, w, b), s in seconds.items() if name == "prefill" and s <= limit)
+    return fits or [(config.prefill_chunks[0], 1)]
+
+
+def best_shape(shapes: Sequence[tuple[int, int]], waiting: int) -> tuple[int, int]:
+    """Of `shapes`, the one that carries the most tokens for `waiting` prompts (then the fewest prompts)."""
+    return max(shapes, key=lambda s: (s[0] * min(s[1], max(waiting, 1)), -s[1]))
+
+
+def choose_mixed_shape(config: EngineConfig, seconds: Mapping[tuple[str, int, int], float],
+                       waiting: int | None = None) -> tuple[int, int]:
+    """The mixed shape for `waiting` prompts (default: as many as a call can take)."""
+    shapes = mixed_shapes(config, seconds)
+    return best_shape(shapes, waiting or max(b for _, b in shapes))
+
+
+class PrefillPolicy:
+    """Per-iteration prefill decisions (engine thread only)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.shapes = mixed_shapes(config, {})
+        self.mixed = best_shape(self.shapes, max(b for _, b in self.shapes))  # the most tokens a mixed call takes
+        self._credit = 0.0  # prefill seconds the decoders' share allows now (negative: prefill is ahead)
+
+    def warmed_up(self, seconds: Mapping[tuple[str, int, int], float]) -> None:
+        """Takes the mixed shapes from warm-up's timed calls."""
+        self.shapes = mixed_shapes(self.config, seconds)
+        self.mixed = best_shape(self.shapes, max(b for _, b in self.shapes))
+
+    def shape(self, decoding: bool, waiting: int = 1) -> tuple[int, int]:
+        """(the widest piece a prompt may take, the most prompts) of this iteration's prefill call, with `waiting`
+        prompts ready to prefill."""
+        if decoding:
+            return best_shape(self.shapes, waiting)
+        return self.config.chunk, max(self.config.prefill_batches)
+
+    def may_prefill(self, decoding: bool) -> bool:
+        """Whether this iteration runs a prefill call (always while nobody decodes)."""
+        if not decoding or self.config.decode_share <= 0:
+            return True
+        return self._credit >= 0
+
+    def prefilled(self, seconds: float, decoding: bool) -> None:
+        """A prefill call took `seconds` (with `decoding` slots waiting on it, it is charged to the share)."""
+        if decoding:
+            self._credit -= seconds
+
+    def decoded(self, seconds: float, prefilling: bool) -> None:
+        """A decode or verify step took `seconds`; while prompts wait, it earns them their share of time."""
+        share = self.config.decode_share
+        if not prefilling or share <= 0:
+            self._credit = 0.0
+            return
+        # A one-call cap: a burst of prefill after a long decode-only stretch would stall the decoders.
+        self._credit = min(self._credit + seconds * (1 - share) / share, self.config.mixed_step_ms / 1e3)
+
+    def order(self, jobs: Sequence[Job], now: float | None = None) -> list[Job]:
+        """`jobs` (prefilling) in the order their pieces should run: shortest remaining prefill first, aged."""
+        now = time.monotonic() if now is None else now
+        aging = max(self.config.prefill_aging_s, 1e-9)
+
+        def key(job: Job) -> tuple[float, float]:
+            waited = max(now - job.submitted, 0.0)
+            return (len(job.fill) - job.pos) / (1.0 + waited / aging), job.submitted
+
+        return sorted(jobs, key=key)

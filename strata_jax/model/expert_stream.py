@@ -1,0 +1,220 @@
+"""Experts streamed from pinned host memory inside the step (`ExpertQuantization.host_path = "stream"`).
+
+Experts outside a layer's device pool stay in host memory (the `pinned_host` memory kind, where the device has
+one) as one packed row of uint32 words per expert: the expert's gate_up bits, gate_up scales, down bits and down
+scales back to back (`RowLayout`; bf16 scales two to a word). After routing, a layer lists the experts its real
+tokens need that are not in the pool, copies them into `S` staging rows with one `lax.dynamic_slice_in_dim` +
+`jax.device_put(..., jax.memory.Space.Device)` per row (all inside the jitted step: XLA moves the bytes, no host
+round trip; a gather over a host array is refused, one slice per row is not) and runs the same expert kernel over
+them:
+
+* small calls (decode, verify: tokens x top_k < experts): the pool's pairs through the kernel as before, then the
+  staged pairs through a second kernel call over the `S` staging rows; when more experts are missing than `S`, a
+  `lax.fori_loop` runs further rounds of `S` (exact; the loop exists only when overflow is possible at all);
+* large calls (prompt chunks, which touch most experts): every expert outside the pool is staged, the staging rows
+  are concatenated behind the pool and one kernel call serves every pair (the prefill kernel's grouped schedule).
+
+Shapes are fixed, so every staging row is copied whether or not a missing expert fills it (dead rows copy expert
+0): `S` trades bytes over PCIe against overflow rounds. `stream_copy_slots` sizes it per call from the call's pairs
+and the pool's share unless `ExpertQuantization.copy_slots` fixes it. On the CPU backend the host array is the CPU
+device's `pinned_host` memory and the copies are plain copies: tests run the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pallas_kernels import PackedExperts, moe_experts_1bit
+
+PARTS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
+
+# Hot-expert placement under skewed routing serves about half of the pairs the pool's share alone would miss
+# (measured at 24 GiB, 1 slot: 67% of pairs on the device with uniform routing, 83% with Zipf(0.6)).
+ASSUMED_MISS_SHARE = 0.5
+
+# A call of at most this many pairs stages all of them (no overflow loop): on the H200 (2026-12-02, 48 chained layers
+# at Flash-Next shapes, 1 token, 340 experts in the pool) staging every pair took 1.65-1.88 ms per step against 0.95
+# all-resident, 2 rows per round 2.84 ms (the loop's predicate costs ~20 us a layer) and 5.72 ms with overflow rounds.
+SMALL_CALL_PAIRS = 16
+
+# Counters a streaming layer adds up per call (`StreamCounts`): distinct experts staged, rows copied (staged or
+# dead: the bytes over PCIe), rounds run.
+STAT_NAMES = ("staged_experts", "copied_rows", "rounds")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """Where each of an expert's four packed arrays sits in its row of uint32 words. `shapes`: per part in
+    `PARTS`, one expert's shape ([planes, in/32 | groups, out]); bits are uint32 words, scales bfloat16."""
+
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, hidden: int, inter: int, planes: int, group: int) -> RowLayout:
+        """The layout of `QuantizedExperts`' arrays: gate_up [2I outputs, H inputs], down [H outputs, I inputs]."""
+        return cls(((planes, hidden // 32, 2 * inter), (planes, -(-hidden // group), 2 * inter),
+                    (planes, inter // 32, hidden), (planes, -(-inter // group), hidden)))
+
+    def part_words(self, part: int) -> int:
+        n = math.prod(self.shapes[part])
+        return n if PARTS[part].endswith("_bits") else -(-n // 2)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(sum(self.part_words(j) for j in range(i)) for i in range(len(PARTS)))
+
+    @property
+    def words(self) -> int:
+        """uint32 words per expert row."""
+        return sum(self.part_words(i) for i in range(len(PARTS)))
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * self.words
+
+    def pack_part(self, out: np.ndarray, name: str, array: np.ndarray) -> None:
+        """Writes all E experts' `name` array (bits uint32, scales bfloat16, the pool's layout) into rows `out`
+        [E, words] uint32."""
+        i = PARTS.index(name)
+        e = out.shape[0]
+        if tuple(array.shape) != (e, *self.shapes[i]):
+            raise ValueError(f"{name} has shape {tuple(array.shape)}, expected {(e, *self.shapes[i])}")
+        flat = np.ascontiguousarray(array).reshape(e, -1)
+        if name.endswith("_scales"):
+            flat = flat.astype(ml_dtypes.bfloat16, copy=False).view(np.uint16)
+            if flat.shape[1] % 2:
+                flat = np.concatenate([flat, np.zeros((e, 1), np.uint16)], axis=1)
+            flat = flat.view(np.uint32)
+        out[:, self.offsets[i]:self.offsets[i] + flat.shape[1]] = flat.astype(np.uint32, copy=False)
+
+    def unpack(self, rows: jax.Array) -> tuple[jax.Array, ...]:
+        """Rows [S, words] uint32 -> the four arrays [S, *shape] (bits uint32, scales bfloat16), in `PARTS`
+        order."""
+        s = rows.shape[0]
+        out = []
+        for i, name in enumerate(PARTS):
+            words = jax.lax.slice_in_dim(rows, self.offsets[i], self.offsets[i] + self.part_words(i), axis=1)
+            n = math.prod(self.shapes[i])
+            if name.endswith("_scales"):  # little-endian: a word's low half is the earlier bfloat16
+                words = jax.lax.bitcast_convert_type(words, jnp.bfloat16).reshape(s, -1)[:, :n]
+            out.append(words.reshape(s, *self.shapes[i]))
+        return tuple(out)
+
+
+def host_memory_kind(device=None) -> str | None:
+    """The memory kind experts are streamed from on `device` (default: the first): "pinned_host" where the device
+    offers it, else None (then only the host-compute path keeps experts off the device)."""
+    device = device if device is not None else jax.devices()[0]
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def to_host_memory(rows: np.ndarray, device=None) -> jax.Array:
+    """`rows` as an array in `device`'s pinned host memory; RuntimeError naming the device where it has none."""
+    device = device if device is not None else jax.devices()[0]
+    kind = host_memory_kind(device)
+    if kind is None:
+        raise RuntimeError(f"host_path='stream' needs pinned host memory, which {device.device_kind} does not offer; "
+                           "use host_path='compute' (the planner chooses it there)")
+    return jax.device_put(rows, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+
+
+def stream_copy_slots(tokens: int, top_k: int, num_experts: int, pool: int, copy_slots: int | None = None,
+                      prefill_copy_slots: int | None = None) -> int:
+    """Staging rows per round for a call of `tokens` tokens: at most the experts outside the pool and the call's
+    pairs. Small calls (pairs < experts): `copy_slots`, or, when None, every pair up to `SMALL_CALL_PAIRS` (no
+    overflow rounds), else the distinct experts the call's pairs are expected to miss with placement serving
+    `ASSUMED_MISS_SHARE` of what the pool's share misses. Large calls: `prefill_copy_slots`, or every expert outside
+    the pool when None."""
+    outside, pairs = num_experts - pool, tokens * top_k
+    if outside <= 0:
+        return 0
+    if pairs >= num_experts:
+        cap = outside if prefill_copy_slots is None else prefill_copy_slots
+    elif copy_slots is not None:
+        cap = copy_slots
+    elif pairs <= SMALL_CALL_PAIRS:
+        cap = pairs
+    else:
+        missed = pairs * (outside / num_experts) * ASSUMED_MISS_SHARE
+        cap = math.ceil(outside * -math.expm1(missed * math.log1p(-1.0 / outside)) if outside > 1 else missed)
+    return max(1, min(outside, pairs, cap))
+
+
+def copy_rows(host_rows: jax.Array, experts: jax.Array) -> jax.Array:
+    """host_rows [E, W] (host memory) and experts [S] int32 -> those rows [S, W] in device memory: one slice and
+    device_put per row (the form the H200 probe measured at 31-36 GB/s)."""
+    rows = [jax.device_put(jax.lax.dynamic_slice_in_dim(host_rows, experts[j], 1, 0), jax.memory.Space.Device)
+            for j in range(experts.shape[0])]
+    return jnp.concatenate(rows, axis=0)
+
+
+def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, slot_of: jax.Array,
+                     pool_gate_up: PackedExperts, pool_down: PackedExperts, host_rows: jax.Array, layout: RowLayout,
+                     *, copy_slots: int | None = None, prefill_copy_slots: int | None = None,
+                     impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """Routed experts with the pool on the device and every expert's row in `host_rows` [E, W].
+
+    x [N, H], ids/weights [N, k], valid bool [N] (only real tokens' experts are staged; padding rows' pairs on
+    experts outside the pool contribute nothing), slot_of int32 [E] (-1: not in the pool). Returns (out [N, H]
+    x.dtype, int32 [3] counters in `STAT_NAMES` order)."""
+    n, k = ids.shape
+    e = slot_of.shape[0]
+    pool = pool_gate_up.bits.shape[0]
+    group = pool_gate_up.group
+    outside = e - pool
+    s = stream_copy_slots(n, k, e, pool, copy_slots, prefill_copy_slots)
+    slot = slot_of[ids]
+    on_device = slot >= 0
+    miss = ~on_device & valid[:, None]
+    needed = jnp.zeros((e,), jnp.int32).at[ids].max(miss.astype(jnp.int32))
+    n_missing = jnp.sum(needed)
+    rounds_total = -(-outside // s)
+    missing = jnp.nonzero(needed, size=rounds_total * s, fill_value=e)[0].astype(jnp.int32)  # ascending, then e
+
+    def stage(r):
+        chosen = jax.lax.dynamic_slice_in_dim(missing, r * s, s)
+        live = chosen < e
+        parts = layout.unpack(copy_rows(host_rows, jnp.where(live, chosen, 0)))
+        stage_of = jnp.full((e,), -1, jnp.int32).at[chosen].set(jnp.arange(s, dtype=jnp.int32), mode="drop")
+        return parts, stage_of[ids]
+
+    def packed(parts):
+        return PackedExperts(parts[0], parts[1], group), PackedExperts(parts[2], parts[3], group)
+
+    if n * k >= e and s == outside:  # one round stages every expert outside the pool: one kernel call over both
+        parts, staged = stage(0)
+        both = [jnp.concatenate([pool_part, part]) for pool_part, part in
+                zip((pool_gate_up.bits, pool_gate_up.scales, pool_down.bits, pool_down.scales), parts)]
+        served = on_device | (staged >= 0)
+        where = jnp.where(on_device, slot, pool + staged)
+        out = moe_experts_1bit(x, jnp.where(served, where, 0), jnp.where(served, weights, 0.0), *packed(both),
+                               impl=impl)
+        stats = jnp.stack([n_missing, jnp.int32(s), jnp.int32(1)]).astype(jnp.int32)
+        return out, stats
+
+    def staged_round(r, acc):
+        parts, staged = stage(r)
+        hit = staged >= 0
+        part_out = moe_experts_1bit(x, jnp.where(hit, staged, 0), jnp.where(hit, weights, 0.0), *packed(parts),
+                                    impl=impl)
+        return acc + part_out.astype(jnp.float32)
+
+    out = moe_experts_1bit(x, jnp.where(on_device, slot, 0), jnp.where(on_device, weights, 0.0), pool_gate_up,
+                           pool_down, impl=impl).astype(jnp.float32)
+    out = staged_round(0, out)
+    rounds = jnp.int32(1)
+    if s < min(outside, n * k):  # more experts may be missing than one round stages: the overflow rounds
+        rounds = jnp.maximum(1, (n_missing + s - 1) // s).astype(jnp.int32)
+        out = jax.lax.fori_loop(1, rounds, staged_round, out)
+    stats = jnp.stack([n_missing, rounds * s, rounds]).astype(jnp.int32)
+    return out.astype(x.dtype), stats

@@ -1,0 +1,50 @@
+"""`python -m strata_jax.bench --mode agents`: Claude Code's first turn rendered per session (a long common prefix,
+then each session's own), and a tiny run on the demo model whose JSON rows carry every reported figure, with the
+sessions' common prefix served from the prefix cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from strata_jax.bench.agents import claude_code_first_turns, synthetic_first_turns, tool_result
+from strata_jax.bench.main import main
+from strata_jax.demo import DEMO_MODEL
+from strata_jax.tokenizer import Tokenizer
+
+
+def test_claude_code_first_turns_share_the_system_prompt_and_tools():
+    tok = Tokenizer(DEMO_MODEL)
+    a, b = claude_code_first_turns(tok, 2, run=0)
+    other_run = claude_code_first_turns(tok, 1, run=1)[0]
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert 20_000 < len(a) < 40_000 and common > 0.85 * len(a)  # system prompt and tools: all but the user message
+    assert next(i for i, (x, y) in enumerate(zip(a, other_run)) if x != y) < 0.05 * len(a)
+    assert tok.decode(a).rstrip().endswith("<|im_start|>assistant") or "<|im_start|>assistant" in tok.decode(a[-8:])
+    result = tool_result(tok, tok.vocab_size, 300, np.random.default_rng(0))
+    assert len(result) == 300 and "<tool_response>" in tok.decode(result)
+
+
+def test_synthetic_first_turns_have_the_requested_structure():
+    firsts = synthetic_first_turns(1000, 3, 50, (60, 80), np.random.default_rng(1))
+    assert all(60 <= len(f) <= 80 and f[:50] == firsts[0][:50] for f in firsts)
+    assert len({f[50:55] for f in firsts}) == 3
+
+
+def test_tiny_agents_run_on_the_demo_model(tmp_path):
+    out = tmp_path / "agents.json"
+    argv = ["--mode", "agents", "--sessions", "1,2", "--turns", "1", "--first-turn", "synthetic",
+            "--shared-tokens", "48", "--first-tokens", "64,72", "--tool-tokens", "8,12", "--answer-tokens", "4,6",
+            "--prefill-chunks", "16,32", "--stagger-s", "0.1", "--share-min-tokens", "16", "--snapshot-every", "32",
+            "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["sessions"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["turns"] == 2 and r["ttft_first_p95_s"] > 0 and r["ttft_later_p95_s"] > 0
+        assert r["aggregate_tok_s"] > 0 and r["snapshots_taken"] > 0
+        assert r["decode_tok_s_otherwise"] > 0
+    # Each later turn resumes its own conversation; the second session resumes the first one's common prefix.
+    assert rows[0]["prefix_cache_hit_tokens"] >= 64
+    assert rows[1]["prefix_cache_hit_tokens"] >= 2 * 64 + 32

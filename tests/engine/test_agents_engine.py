@@ -1,0 +1,153 @@
+"""Agents on the engine (fixture model): prefill pieces that run beside decoding slots, prompts that wait for
+another's snapshot of their common prefix, and snapshots copied to the host in flight all give every request
+exactly the greedy tokens it gets alone; cancelling a request mid-prefill frees its slot and the device memory of
+its snapshots in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import jax
+import pytest
+
+import strata_jax
+from conftest import FIXTURES
+from engine_helpers import collect, random_prompt, tokens
+from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return strata_jax.load_model(FIXTURES / "ckpt" / "qwen4_exp_causal")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    # Narrow pieces beside decoders (8 tokens, one prompt) and pacing that makes decoders step alone at times.
+    eng = Engine(model, EngineConfig(slots=3, max_context=160, prefill_chunks=(8, 32), prefill_batch=2,
+                                     snapshot_every=32, share_min_tokens=16, mixed_prefill=(8, 1), decode_share=0.5))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+def _spy_prefill(engine, monkeypatch) -> list[tuple[int | None, bool]]:
+    """Records each prefill call's piece limit and whether a slot was decoding beside it."""
+    scheduler = engine._scheduler
+    real = scheduler.executor.prefill
+    calls = []
+
+    def prefill(jobs, limit=None):
+        calls.append((limit, any(j is not None and not j.prefilling for j in scheduler._slots)))
+        return real(jobs, limit)
+
+    monkeypatch.setattr(scheduler.executor, "prefill", prefill)
+    return calls
+
+
+async def _together(engine, prompts, max_tokens: int) -> list[list]:
+    """Submits `prompts` so that the engine admits them in one iteration (it waits for the scheduler's lock), and
+    returns each one's events."""
+
+    async def drain(stream):
+        return [ev async for ev in stream]
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    with engine._scheduler._cond:
+        streams = [await engine.submit(GenerationRequest(p, params)) for p in prompts]
+    return list(await asyncio.gather(*[drain(s) for s in streams]))
+
+
+def test_mixed_steps_and_shared_prefixes_equal_each_alone(engine, model, monkeypatch):
+    calls = _spy_prefill(engine, monkeypatch)
+    system = random_prompt(300, 40)  # three sessions' common system prompt, prefilled once
+    sessions = [system + random_prompt(301 + i, n) for i, n in enumerate((6, 30, 45))]
+    late = random_prompt(310, 90)  # arrives while the sessions decode: its pieces run beside them
+    before = engine.stats()
+
+    async def run():
+        return await asyncio.gather(_together(engine, sessions, 24), collect(engine, late, delay=0.3, max_tokens=6))
+
+    together, late_events = asyncio.run(run())
+    results = together + [late_events]
+    for p, events, n in zip(sessions + [late], results, (24, 24, 24, 6)):
+        assert tokens(events) == model.generate(list(p), n, stop_at_eos=False)
+        assert events[-1].finish_reason == "length"
+    # The first session prefilled the common 40 tokens; the other two waited for its snapshot there.
+    assert sorted(ev[0].cached_tokens for ev in results[:3]) == [0, 40, 40]
+    after = engine.stats()
+    assert after["shared_prefix_waits_total"] - before["shared_prefix_waits_total"] == 2
+    assert any(decoding for _, decoding in calls), "no prefill ran beside a decoding slot"
+    assert all(limit == 8 for limit, decoding in calls if decoding)
+    assert any(limit == 32 for limit, decoding in calls if not decoding)
+
+
+def test_a_snapshot_in_flight_never_changes_another_slots_output(engine, model, monkeypatch):
+    cache = engine._scheduler.prefix_cache
+    monkeypatch.setattr(cache, "poll", lambda: 0)  # nothing lands between steps: copies stay in flight
+    in_flight = []
+    real = cache.insert_async
+
+    def insert_async(tokens_, state, owner=None):
+        seconds = real(tokens_, state, owner)
+        in_flight.append(cache.stats()["prefix_cache_pending_snapshots"])
+        return seconds
+
+    monkeypatch.setattr(cache, "insert_async", insert_async)
+    decoder = random_prompt(320, 12)
+    long_prompt = random_prompt(321, 110)  # snapshots at 32, 64 and 96 while the decoder runs
+
+    async def run():
+        return await asyncio.gather(collect(engine, decoder, max_tokens=40),
+                                    collect(engine, long_prompt, delay=0.2, max_tokens=8))
+
+    first, second = asyncio.run(run())
+    assert tokens(first) == model.generate(list(decoder), 40, stop_at_eos=False)
+    assert tokens(second) == model.generate(list(long_prompt), 8, stop_at_eos=False)
+    assert max(in_flight) >= 2
+    # A later turn restores the deepest of them (landed by the lookup) and is exact too.
+    follow = long_prompt + tuple(tokens(second)) + random_prompt(322, 5)
+    events = asyncio.run(collect(engine, follow, max_tokens=6))
+    assert events[0].cached_tokens == len(long_prompt) + 8 - 1
+    assert tokens(events) == model.generate(list(follow), 6, stop_at_eos=False)
+
+
+def test_cancelling_mid_prefill_frees_the_slot_and_its_snapshot_memory(engine, model, monkeypatch):
+    scheduler = engine._scheduler
+    cache = scheduler.prefix_cache
+    cache.poll()  # the engine is idle: land what earlier requests left in flight
+    assert cache.pending_bytes == 0
+    monkeypatch.setattr(cache, "poll", lambda: 0)
+    taken = []
+    real_insert = cache.insert_async
+    monkeypatch.setattr(cache, "insert_async", lambda t, state, owner=None: taken.append(state)
+                        or real_insert(t, state, owner))
+    real_prefill = scheduler.executor.prefill
+
+    def slow_prefill(jobs, limit=None):
+        time.sleep(0.3)  # long enough to cancel between two pieces
+        return real_prefill(jobs, limit)
+
+    monkeypatch.setattr(scheduler.executor, "prefill", slow_prefill)
+    prompt = random_prompt(330, 150)
+
+    async def run():
+        stream = await engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+                                                       request_id="cancel-me"))
+        while not taken:  # its first snapshot (after 32 tokens) is in flight
+            await asyncio.sleep(0.01)
+        engine.cancel("cancel-me")
+        return [ev async for ev in stream]
+
+    events = asyncio.run(run())
+    assert events[-1].finish_reason == "cancelled" and tokens(events) == []
+    deadline = time.monotonic() + 30
+    while engine.stats()["slots_busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["slots_busy"] == 0 and stats["prefix_cache_pending_bytes"] == 0
+    assert taken and all(leaf.is_deleted() for state in taken for leaf in jax.tree_util.tree_leaves(state))
+    monkeypatch.undo()
+    p = random_prompt(331, 20)  # the slot serves the next request exactly
+    assert tokens(asyncio.run(collect(engine, p))) == model.generate(list(p), 8, stop_at_eos=False)
