@@ -57,6 +57,38 @@ SLOW_TESTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The fixture tokenizer (tests/fixtures/tokenizer); a test file may define its own."""
+    from server_helpers import fixture_tokenizer
+
+    return fixture_tokenizer()
+
+
+@pytest.fixture
+def serve(tokenizer):
+    """Server tests: start(script, context_length=4096, **engine kwargs) -> (server, engine), the real app (no API
+    key, served as "demo") over a `LogprobEngine` (tests/server/fake_engines.py) answering `script`; every server
+    started is stopped after the test. A test file may define its own `serve`."""
+    from fake_engines import LogprobEngine
+    from server_helpers import ServerThread
+
+    from server.app import create_app
+
+    servers = []
+
+    def start(script="Hello there.", context_length=4096, **kwargs):
+        engine = LogprobEngine(tokenizer, script, context_length=context_length, **kwargs)
+        server = ServerThread(create_app(engine, tokenizer, served_name="demo", api_key=None,
+                                         context_length=context_length))
+        servers.append(server)
+        return server, engine
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
 def _has_gpu() -> bool:
     import jax
 

@@ -1,5 +1,6 @@
 """A scripted engine that also reports what the real engine adds to its events: known log-probabilities (when the
-request asks for them) and the slot on the first event."""
+request asks for them) and the slot on the first event. The `serve` fixture (tests/conftest.py) runs the real app over
+it."""
 
 from __future__ import annotations
 
@@ -48,3 +49,4 @@ class LogprobEngine(ScriptedEngine):
                 yield dataclasses.replace(event, **extra)
 
         return events()
+
