@@ -11,7 +11,6 @@ engine on the GGUF-loaded model (the users scenario's request loop, strata_jax/b
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import math
 import shutil
@@ -254,7 +253,7 @@ def _timed_load(path: Path, dtype: str):
 
 def _decode_rows(model, args, source: str) -> list[dict]:
     """Decode through the engine as the users mode does: per user count, per-user and aggregate tok/s."""
-    from strata_jax.bench.users import _one, user_prompts
+    from strata_jax.bench.users import run_all_users, user_prompts
     from strata_jax.engine import Engine, EngineConfig
 
     rows = []
@@ -264,14 +263,7 @@ def _decode_rows(model, args, source: str) -> list[dict]:
                                             prefix_cache_mib=0, draft="none"))
         engine.start()
         try:
-            prompts = user_prompts(model, users, args.prompt_tokens)
-
-            async def all_users():
-                return await asyncio.gather(*[_one(engine, p, args.gen_tokens) for p in prompts])
-
-            started = time.perf_counter()
-            results = asyncio.run(all_users())
-            wall = time.perf_counter() - started
+            results, wall = run_all_users(engine, user_prompts(model, users, args.prompt_tokens), args.gen_tokens)
         finally:
             engine.shutdown()
         rows.append({"source": source, "users": users,

@@ -145,6 +145,18 @@ async def _one(engine: Engine, prompt, gen_tokens: int):
     }
 
 
+def run_all_users(engine: Engine, prompts, gen_tokens: int) -> tuple[list[dict], float]:
+    """Every prompt submitted at once to the started `engine`, `gen_tokens` tokens each: (per-request results
+    (ttft, tokens, decode_tok_s, ...), wall seconds)."""
+
+    async def all_users():
+        return await asyncio.gather(*[_one(engine, p, gen_tokens) for p in prompts])
+
+    started = time.perf_counter()
+    results = asyncio.run(all_users())
+    return results, time.perf_counter() - started
+
+
 def _draft_model(directory: str, model: LoadedModel, config: EngineConfig, args):
     """The drafter for `--draft DIR`: a small checkpoint with the target's tokenizer (no PLE)."""
     from strata_jax.engine.draft_model import DraftModelDrafter
@@ -180,14 +192,7 @@ def run_users(args) -> list[dict]:
             engine = Engine(model, config, drafter=None if builtin else _draft_model(draft, model, config, args))
             engine.start()
             try:
-                prompts = user_prompts(model, users, args.prompt_tokens)
-
-                async def all_users():
-                    return await asyncio.gather(*[_one(engine, p, args.gen_tokens) for p in prompts])
-
-                started = time.perf_counter()
-                results = asyncio.run(all_users())
-                wall = time.perf_counter() - started
+                results, wall = run_all_users(engine, user_prompts(model, users, args.prompt_tokens), args.gen_tokens)
                 stats = engine.stats()
             finally:
                 engine.shutdown()
