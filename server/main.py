@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import ipaddress
 import logging
 import os
@@ -137,6 +138,10 @@ async def _serve(load_engine: LoadEngine, host: str, port: int, opts: _Options) 
     if loaded.done() and loaded.exception() is None:
         engine, tokenizer, context_length = loaded.result()
         install_engine(app, engine, tokenizer, context_length)
+        # What loading left alive (JAX, compiled steps, the tokenizer) goes to the permanent generation: a full
+        # collection would otherwise walk it all while holding the interpreter lock, stalling every stream.
+        gc.collect()
+        gc.freeze()
         url = _url(host, bound_port)
         about = {**opts.about, "context": context_length}
         server_state(app).about["context"] = context_length
