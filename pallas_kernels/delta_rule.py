@@ -81,6 +81,18 @@ def resolve_impl(impl: str, dk: int, dv: int) -> str:
     return impl
 
 
+def _rule_token(s, q, k, v, gb_ref, o_ref, b, t, h, cols, k_dim):
+    """One token of the gated delta rule on a program's state block `s` [Dk, block_v] (float32): L2-normalised q and
+    k, decay, delta update, output row written to `o_ref`; returns the new state."""
+    q = q * (jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * k_dim**-0.5)
+    k = (k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS))[:, None]
+    s = s * jnp.exp(gb_ref[b, t, h, 0])
+    delta = (v - jnp.sum(s * k, axis=0)) * gb_ref[b, t, h, 1]
+    s = s + k * delta[None, :]
+    o_ref[b, t, h, cols] = jnp.sum(s * q[:, None], axis=0)
+    return s
+
+
 def _kernel(qkv_ref, gb_ref, s_ref, o_ref, s_out_ref, *, tokens, v_heads, group, k_dim, v_dim, block_v):
     key_dim = v_heads // group * k_dim
     row = pl.program_id(0)
@@ -93,12 +105,7 @@ def _kernel(qkv_ref, gb_ref, s_ref, o_ref, s_out_ref, *, tokens, v_heads, group,
         q = qkv_ref[b, t, pl.ds(kh * k_dim, k_dim)].astype(jnp.float32)
         k = qkv_ref[b, t, pl.ds(key_dim + kh * k_dim, k_dim)].astype(jnp.float32)
         v = qkv_ref[b, t, pl.ds(2 * key_dim + h * v_dim + c0, block_v)].astype(jnp.float32)
-        q = q * (jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * k_dim**-0.5)
-        k = (k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS))[:, None]
-        s = s * jnp.exp(gb_ref[b, t, h, 0])
-        delta = (v - jnp.sum(s * k, axis=0)) * gb_ref[b, t, h, 1]
-        s = s + k * delta[None, :]
-        o_ref[b, t, h, cols] = jnp.sum(s * q[:, None], axis=0)
+        s = _rule_token(s, q, k, v, gb_ref, o_ref, b, t, h, cols, k_dim)
     s_out_ref[row, :, cols] = s
 
 
@@ -146,3 +153,134 @@ def gated_delta_decode(qkv, g, beta, state, *, k_heads: int, impl: str = "auto",
         **kwargs,
     )(qkv, gb, state.astype(f32).reshape(bsz * v_heads, k_dim, v_dim))
     return out, new_state.reshape(state.shape)
+
+
+# --- The causal conv folded in (issue 23, item 1, step 3) ---------------------------------------------------------
+#
+# `gated_delta_conv_decode` starts one step earlier, from the layer's raw projection qkv_in [B, T, C] and the conv
+# tail [B, C, L]: each program computes the depthwise conv (+ SiLU) of the channels it needs (its key head's q and k,
+# its value columns) for every token from the tail and the raw inputs, runs the rule, and writes the activated conv
+# output (the verify replay needs it) and the conv tail after the first n_valid tokens. q and k are recomputed by
+# every program of the key head (2 x Dk x kernel multiply-adds per token, nothing next to the state); the program
+# of value column block 0 of the first value head of a key head writes them. XLA's conv, its activation and the
+# tail's dynamic slice (two to three kernels per layer at decode) go. The gated output norm stays outside: it
+# needs a whole value head's output, which is spread over Dv / block_v programs.
+
+
+def causal_conv_jnp(x, conv_state, weight, n_valid):
+    """The model's depthwise causal conv (`strata_jax.model.conv.causal_conv`) with its SiLU, op for op: x [B, T, C],
+    conv_state [B, C, L], weight [C, L+1], n_valid [B] -> (silu(conv) [B, T, C] in x.dtype, the tail after the first
+    n_valid[b] inputs)."""
+    kernel, tail, t = weight.shape[-1], conv_state.shape[-1], x.shape[1]
+    xs = jnp.concatenate([conv_state, jnp.swapaxes(x, 1, 2).astype(conv_state.dtype)], axis=-1)
+    w = weight.astype(jnp.float32)
+    out = jnp.zeros(x.shape[:1] + (weight.shape[0], t), jnp.float32)
+    for k in range(kernel):
+        out = out + w[None, :, k : k + 1] * xs[:, :, k : k + t].astype(jnp.float32)
+    conv = jnp.swapaxes(out, 1, 2).astype(x.dtype)
+    new_tail = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, tail, axis=-1))(xs, n_valid)
+    qkv = (conv.astype(jnp.float32) / (1.0 + jnp.exp(-conv.astype(jnp.float32)))).astype(x.dtype)
+    return qkv, new_tail
+
+
+def _conv_kernel(x_ref, cs_ref, w_ref, gb_ref, n_ref, s_ref, o_ref, qkv_ref, cs_out_ref, s_out_ref, *, tokens,
+                 v_heads, group, k_dim, v_dim, block_v, kernel):
+    f32, tail = jnp.float32, kernel - 1
+    key_dim = v_heads // group * k_dim
+    row = pl.program_id(0)
+    b, h = row // v_heads, row % v_heads
+    kh = h // group
+    c0 = pl.program_id(1) * block_v
+    writes_qk = (h % group == 0) & (pl.program_id(1) == 0)
+    channels = {"q": (kh * k_dim, k_dim), "k": (key_dim + kh * k_dim, k_dim),
+                "v": (2 * key_dim + h * v_dim + c0, block_v)}
+
+    def window(ch0, n, i):  # input i of [tail | the T new inputs] for channels ch0 .. ch0+n, float32
+        if i < tail:
+            return cs_ref[b, pl.ds(ch0, n), i].astype(f32)
+        return x_ref[b, i - tail, pl.ds(ch0, n)].astype(cs_ref.dtype).astype(f32)
+
+    def conv_silu(name, t):
+        ch0, n = channels[name]
+        acc = jnp.zeros((n,), f32)
+        for j in range(kernel):  # the reference's order of sums
+            acc = acc + w_ref[pl.ds(ch0, n), j].astype(f32) * window(ch0, n, t + j)
+        c = acc.astype(x_ref.dtype).astype(f32)
+        act = (c / (1.0 + jnp.exp(-c))).astype(qkv_ref.dtype)
+        if name == "v":
+            qkv_ref[b, t, pl.ds(ch0, n)] = act
+        else:
+            @pl.when(writes_qk)
+            def _():
+                qkv_ref[b, t, pl.ds(ch0, n)] = act
+        return act.astype(f32)
+
+    cols = pl.ds(c0, block_v)
+    s = s_ref[row, :, cols]
+    for t in range(tokens):
+        q, k, v = conv_silu("q", t), conv_silu("k", t), conv_silu("v", t)
+        s = _rule_token(s, q, k, v, gb_ref, o_ref, b, t, h, cols, k_dim)
+    s_out_ref[row, :, cols] = s
+
+    def write_tail(name):
+        ch0, n = channels[name]
+        for j in range(tail):  # the tail after n_valid inputs: [old tail | inputs][n_valid + j]
+            src = n_ref[b] + j
+            old = cs_ref[b, pl.ds(ch0, n), jnp.minimum(src, tail - 1)]
+            new = x_ref[b, jnp.clip(src - tail, 0, tokens - 1), pl.ds(ch0, n)].astype(cs_out_ref.dtype)
+            cs_out_ref[b, pl.ds(ch0, n), j] = jnp.where(src < tail, old, new)
+
+    write_tail("v")
+
+    @pl.when(writes_qk)
+    def _():
+        write_tail("q")
+        write_tail("k")
+
+
+def gated_delta_conv_decode(qkv_in, conv_state, conv_weight, g, beta, state, n_valid, *, k_heads: int,
+                            impl: str = "auto", block_v: int | None = None, num_warps: int = 4,
+                            interpret: bool = False):
+    """The causal conv, its SiLU and the gated delta rule over T tokens, from the layer's raw projection.
+
+    qkv_in [B, T, C] (channels q | k | v, C = 2*Hk*Dk + Hv*Dv), conv_state [B, C, L] (the conv's tail), conv_weight
+    [C, L+1], g, beta [B, T, Hv] float32 (0 for padding tokens), state [B, Hv, Dk, Dv] float32, n_valid [B] int32 ->
+    (out [B, T, Hv, Dv] float32, the activated conv output [B, T, C] in qkv_in.dtype, the conv tail after the first
+    n_valid[b] tokens, the new state). Equals ``causal_conv_jnp`` then ``gated_delta_decode``, which is what
+    ``impl="jnp"`` runs; ``impl``, ``block_v``, ``num_warps`` and ``interpret`` as there."""
+    bsz, t, channels = qkv_in.shape
+    _, v_heads, k_dim, v_dim = state.shape
+    kernel = conv_weight.shape[-1]
+    if conv_state.shape != (bsz, channels, kernel - 1) or conv_weight.shape != (channels, kernel):
+        raise ValueError(f"conv_state {conv_state.shape} / conv_weight {conv_weight.shape} do not fit {channels} "
+                         f"channels of a kernel of {kernel}")
+    if resolve_impl(impl, k_dim, v_dim) == "jnp":
+        qkv, tail = causal_conv_jnp(qkv_in, conv_state, conv_weight, n_valid)
+        out, new_state = gated_delta_decode(qkv, g, beta, state, k_heads=k_heads, impl="jnp")
+        return out, qkv, tail, new_state
+    if channels != 2 * k_heads * k_dim + v_heads * v_dim or v_heads % k_heads:
+        raise ValueError(f"qkv has {channels} channels; {k_heads} key heads of {k_dim} and {v_heads} value heads of "
+                         f"{v_dim} need {2 * k_heads * k_dim + v_heads * v_dim} (and Hv a multiple of Hk)")
+    bv = min(block_v or default_block_v(t), v_dim)
+    if not (_is_pow2(k_dim) and _is_pow2(bv) and v_dim % bv == 0) or kernel < 2:
+        raise ValueError(f"the Pallas conv + delta rule needs a power-of-two Dk, a power-of-two block_v dividing Dv "
+                         f"and a conv kernel of at least 2, got Dk={k_dim}, Dv={v_dim}, block_v={bv}, "
+                         f"kernel={kernel}")
+    f32 = jnp.float32
+    gb = jnp.stack([g.astype(f32), beta.astype(f32)], axis=-1)
+    body = functools.partial(_conv_kernel, tokens=t, v_heads=v_heads, group=v_heads // k_heads, k_dim=k_dim,
+                             v_dim=v_dim, block_v=bv, kernel=kernel)
+    kwargs = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=1)}
+    out, qkv, tail, new_state = pl.pallas_call(
+        body,
+        grid=(bsz * v_heads, v_dim // bv),
+        out_shape=(jax.ShapeDtypeStruct((bsz, t, v_heads, v_dim), f32),
+                   jax.ShapeDtypeStruct(qkv_in.shape, qkv_in.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct((bsz * v_heads, k_dim, v_dim), f32)),
+        input_output_aliases={5: 3},
+        interpret=interpret,
+        **kwargs,
+    )(qkv_in, conv_state, conv_weight, gb, n_valid.astype(jnp.int32), state.astype(f32).reshape(bsz * v_heads, k_dim,
+                                                                                                 v_dim))
+    return out, qkv, tail, new_state.reshape(state.shape)

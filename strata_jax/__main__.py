@@ -11,6 +11,7 @@ from pathlib import Path
 
 from strata_jax.demo import DEMO_MODEL
 from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT
+from strata_jax.model.config import PREFILL_ATTENTION_IMPLS
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -159,7 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
         model = load_model(model_dir, dtype=dtype, gpu_experts=gpu_experts, host_kernel=args.host_kernel,
                            host_workers=args.pool_workers, host_path=setup.host_path, copy_slots=args.copy_slots,
                            prefill_copy_slots=setup.prefill_copy_slots,
-                           mesh=None if mesh is None else mesh.make(), expert_exchange=args.expert_exchange)
+                           mesh=None if mesh is None else mesh.make(), expert_exchange=args.expert_exchange,
+                           prefill_attention=args.prefill_attention, fused_decode=args.fused_decode)
         if model.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json: the server needs the tokenizer and chat template")
         print(f"model loaded in {time.monotonic() - started:.1f}s; compiling and warming up the engine ...", flush=True)
@@ -190,6 +192,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 CACHE_DTYPE_CHOICES = ["bf16", "bfloat16", "float32", "fp8", "int8"]
+PREFILL_ATTENTION_HELP = ("how prompt chunks attend to the KV cache: auto (today: jnp), jnp (the blocked XLA loop), "
+                          "pallas (the flash-style Pallas kernel; Pallas interpret mode off a GPU, slow), cudnn "
+                          "(jax.nn.dot_product_attention, cuDNN for bf16 on a GPU; chunks with a QSA selection or an "
+                          "int8/fp8 cache use jnp). Default auto (docs/PERF.md, \"Prefill attention kernel\")")
 CACHE_DTYPE_HELP = ("KV cache dtype: bf16 / float32, or int8 / fp8 (e4m3): attention keys and values in one byte "
                     "with a float32 scale per position and kv head, half the bytes of bf16 (the other caches stay "
                     "in --dtype; docs/PERF.md, \"KV cache dtype\", gives the logit error measured). Default: the "
@@ -284,9 +290,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     budget.add_argument("--card", default=None, metavar="SIZE", help=card_help + " (default: the card present)")
     srv.add_argument("--pool-workers", type=int, default=None,
                      help="host expert pool threads (default: the CPU quota granted, minus one)")
-    srv.add_argument("--host-kernel", choices=("xla", "numpy"), default="xla",
-                     help="how host experts are computed: xla (compiled by XLA:CPU, default) or numpy (the "
-                     "reference, ~2-3x slower)")
+    srv.add_argument("--host-kernel", choices=("xla", "numba", "numpy"), default="xla",
+                     help="how host experts are computed: xla (compiled by XLA:CPU, default), numba (byte tables "
+                     "compiled by numba: 1.3-2.2x less CPU per layer on a 2-core machine, not yet measured on a "
+                     "16-core host; its first use compiles for ~30 s) or numpy (the reference, ~2-3x slower)")
     srv.add_argument("--gpu-experts", type=int, default=None,
                      help="experts per MoE layer in the device pool, overriding the plan (packed experts only; "
                      "default: the plan's)")
@@ -300,7 +307,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--draft", default="none",
                      help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
                      "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")
-    srv.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step")
+    srv.add_argument("--draft-k", type=int, default=4,
+                     help="the longest draft per step and slot (at most 16 for ngram, 8 for mtp or a draft model); "
+                          "each slot's length grows and shrinks with its acceptance up to it (docs/ARCHITECTURE.md, "
+                          "\"Speculation for every slot\")")
     srv.add_argument("--prefill-chunks", default=None, metavar="N,N,...",
                      type=lambda v: tuple(int(c) for c in v.split(",")),
                      help="prompt chunk sizes compiled at start; the largest bounds how long a prompt chunk delays "
@@ -322,6 +332,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU; the backend is read by "
                      "the start-up device probe)")
     srv.add_argument("--cache-dtype", choices=CACHE_DTYPE_CHOICES, default=None, help=CACHE_DTYPE_HELP)
+    srv.add_argument("--prefill-attention", choices=PREFILL_ATTENTION_IMPLS, default="auto",
+                     help=PREFILL_ATTENTION_HELP)
+    srv.add_argument("--fused-decode", action="store_true",
+                     help="on a GPU, run each MoE block's router and shared expert and each DeltaNet layer's conv + "
+                     "delta rule as fused Pallas kernels for decode and verify steps of up to 16 tokens (off by "
+                     "default: not yet measured on the device, docs/PERF.md \"Fused decode kernels\")")
     srv.add_argument("--log-format", choices=["text", "json"], default="text",
                      help="logs on stderr (one line per request at its end, access lines for other requests): "
                      "text, or json (one object per line with the request's fields)")

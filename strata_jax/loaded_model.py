@@ -23,7 +23,7 @@ from strata_jax.host.pool import HostPool
 from strata_jax.host.tier import HostTier
 from strata_jax.model.config import ExpertQuantization, ModelConfig, load_config
 from strata_jax.model.cache import ModelCache, init_cache
-from strata_jax.model.decoder import CausalLM
+from strata_jax.model.decoder import CausalLM, enable_fused_decode
 from strata_jax.model.expert_parallel import replicated_call, shard_state
 from strata_jax.model.ple_hash import NgramHasher, PleTable
 from strata_jax.weights.convert import is_converted, read_marker, restore_params
@@ -194,6 +194,20 @@ def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) ->
     return int(rng.choice(len(p), p=p / p.sum()))
 
 
+def host_kernel_beside(mesh: Mesh | None, host_kernel: str) -> str:
+    """The host experts' kernel to use beside `mesh`: "numpy" instead of "xla" when the mesh is several XLA:CPU
+    devices (forced host devices). The step of such a mesh holds XLA:CPU's threads while its devices wait for each
+    other in a collective, and the xla host kernel, called from inside that step, needs one of those threads: on 4
+    devices and 2 cores the step deadlocked (jaxlib 0.10.2 hung, 0.11.2 aborted in its rendezvous, 2026-12-02)."""
+    if host_kernel != "xla" or mesh is None or mesh.devices.size < 2:
+        return host_kernel
+    if any(d.platform != "cpu" for d in mesh.devices.flat):
+        return host_kernel
+    print(f"note: host experts use the numpy kernel: the xla kernel would wait on the XLA:CPU threads that a mesh of "
+          f"{mesh.devices.size} CPU devices holds in its collectives", file=sys.stderr)
+    return "numpy"
+
+
 def load_model(
     path: str | Path,
     dtype: str = "float32",
@@ -209,6 +223,8 @@ def load_model(
     host_path: str = "compute",
     copy_slots: int | None = None,
     prefill_copy_slots: int | None = None,
+    prefill_attention: str = "auto",
+    fused_decode: bool = False,
 ) -> LoadedModel:
     """Loads a Hugging Face checkpoint directory (config.json + safetensors [+ index] + tokenizer files), or a
     directory written by `python -m strata_jax quantize` (its experts stay packed as converted).
@@ -228,6 +244,10 @@ def load_model(
     host_path: how experts outside the pool are served: "compute" (on the host CPU, above) or "stream" (kept in
     pinned host memory and copied into the step; `copy_slots` / `prefill_copy_slots`: its staging rows, None: sized
     per call). See `ExpertQuantization` and `strata_jax.model.expert_stream`.
+    prefill_attention: how prefill chunks attend (`ModelConfig.prefill_attention_impl`: "auto", "jnp", "pallas" the
+    flash-style kernel, "cudnn"; pallas_kernels.flash_prefill.resolve_prefill_impl).
+    fused_decode: decode and verify calls of <= 16 tokens run the fused Pallas kernels on a GPU
+    (`strata_jax.model.decoder.enable_fused_decode`; off by default until measured).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -237,13 +257,14 @@ def load_model(
     if path.suffix == ".gguf":
         return _load_gguf(path, dtype, quantize, planes, group, gpu_experts, host_kernel, host_workers, mesh,
                           expert_exchange, dict(host_path=host_path, copy_slots=copy_slots,
-                                                prefill_copy_slots=prefill_copy_slots))
+                                                prefill_copy_slots=prefill_copy_slots), prefill_attention,
+                          fused_decode)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     started = time.monotonic()
-    config = load_config(path)
+    config = dataclasses.replace(load_config(path), prefill_attention_impl=prefill_attention)
     jdtype = _DTYPES[dtype]
-    pool = HostPool(kernel=host_kernel, workers=host_workers)
+    pool = HostPool(kernel=host_kernel_beside(mesh, host_kernel), workers=host_workers)
     host_experts = functools.partial(HostTier, pool=pool)
     paths = dict(host_path=host_path, copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots)
     if is_converted(path):
@@ -270,6 +291,8 @@ def load_model(
         from strata_jax.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path)
+    if fused_decode:
+        enable_fused_decode(model)
     if sys.stderr.isatty():
         print(f"loaded {path} ({config.family}, {dtype}) in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return LoadedModel(path, config, model, jdtype, tables, tokenizer, host_pool=pool, mesh=mesh,
@@ -278,14 +301,17 @@ def load_model(
 
 def _load_gguf(path: Path, dtype: str, quantize: str | None, planes: int, group: int, gpu_experts: int | None,
                host_kernel: str, host_workers: int | None, mesh: Mesh | None, expert_exchange: str,
-               paths: dict) -> LoadedModel:
+               paths: dict, prefill_attention: str = "auto", fused_decode: bool = False) -> LoadedModel:
     """`load_model` for a llama.cpp GGUF file (or split set): see `strata_jax.weights.gguf_loader`."""
     from strata_jax.weights.gguf_loader import build_from_gguf
 
     started = time.monotonic()
-    pool = HostPool(kernel=host_kernel, workers=host_workers)
+    pool = HostPool(kernel=host_kernel_beside(mesh, host_kernel), workers=host_workers)
     built = build_from_gguf(path, _DTYPES[dtype], quantize, planes=planes, group=group, gpu_experts=gpu_experts,
-                            host_experts=functools.partial(HostTier, pool=pool), quant_options=paths)
+                            host_experts=functools.partial(HostTier, pool=pool), quant_options=paths,
+                            prefill_attention=prefill_attention)
+    if fused_decode:
+        enable_fused_decode(built.model)
     loaded = LoadedModel(path, built.config, built.model, _DTYPES[dtype], built.ple_tables, built.tokenizer,
                          host_pool=pool, mesh=mesh, expert_exchange=expert_exchange, ple_hashers=built.ple_hashers)
     loaded.gguf_report = built.report

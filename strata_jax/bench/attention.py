@@ -9,7 +9,16 @@ holds `--fill` tokens before the call's T, and each token sees the positions up 
 selection). `--attn-iters` calls, each over its own K and V cache (so none is found in L2, as the model's attention
 layers hold theirs) and fed a query nudged by the previous call's output, run one after another inside one jitted
 function. The floor is the filled part of K and V plus the query and output, over the copy bandwidth measured in the
-same run."""
+same run.
+
+With `--attn-prefill-fills` the mode measures a prefill chunk's attention instead (`run_prefill_attention`): one
+slot per `--slots` entry holding F tokens before a chunk of T (`--attn-chunks`) in a cache of `--ctx` positions (at
+least F + T), at the preset's head shapes, per form: `jnp` (the blocked loop of pallas_kernels.prefill_attention),
+`pallas` (the flash-style kernel of pallas_kernels.flash_prefill with its default tiling), `m<M>_k<K>_w<W>_s<S>`
+(the kernel with M query rows and K keys per block, W warps, S pipeline stages), `cudnn` (jax.nn.dot_product_attention,
+pallas_kernels.prefill_cudnn; not with `--attn-qsa`). `--attn-qsa` adds a random QSA selection of about the preset's
+budget per token. The floor is the causal attention's matmul FLOPs over the bf16 matmul rate measured in the run
+(with QSA too: the forms compute every key block some token of theirs selects)."""
 
 from __future__ import annotations
 
@@ -20,7 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.decode_attention import decode_attention
-from strata_jax.bench.common import max_rel_diff, median_seconds, print_variant_table
+from pallas_kernels.flash_prefill import PrefillBlocks, flash_prefill
+from pallas_kernels.prefill_attention import prefill_attention
+from pallas_kernels.prefill_cudnn import cudnn_prefill
+from strata_jax.bench.common import matmul_rate, max_rel_diff, median_seconds, print_variant_table
 from strata_jax.bench.floors import copy_bandwidth
 from strata_jax.bench.synthetic import preset_config
 
@@ -34,6 +46,16 @@ def attention_args(p) -> None:
                    help="attention mode: jnp | pallas (the kernel's defaults) | s<splits>_k<block_k>_w<warps> (the "
                         "Pallas kernel with those settings), comma-separated")
     p.add_argument("--attn-iters", type=int, default=12, help="attention mode: calls per timed run, own cache each")
+    p.add_argument("--attn-prefill-fills", default=None, metavar="F[,F...]",
+                   help="attention mode: measure a prefill chunk's attention instead, over caches holding these many "
+                        "tokens before the chunk (e.g. 2048,8192,20000,60000; default: decode attention)")
+    p.add_argument("--attn-chunks", default="2048,4096", help="attention mode, prefill: tokens per chunk")
+    p.add_argument("--attn-prefill-variants", default="jnp,pallas,cudnn",
+                   help="attention mode, prefill: jnp | pallas | cudnn | m<rows>_k<keys>_w<warps>_s<stages> (the "
+                        "kernel with that tiling), comma-separated")
+    p.add_argument("--attn-qsa", action="store_true",
+                   help="attention mode, prefill: a random QSA block selection of about the preset's budget per "
+                        "token (cudnn rows are left out)")
 
 
 def _attend_fn(variant: str):
@@ -107,6 +129,8 @@ def _chained(attend):
 def run_attention(args) -> list[dict]:
     """Median time per call of each variant, and its largest difference from the first variant's output (the jnp
     form by default), per (slots, tokens)."""
+    if args.attn_prefill_fills:
+        return run_prefill_attention(args)
     cfg = preset_config(args.preset)
     hk, d = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // hk
@@ -140,6 +164,119 @@ def run_attention(args) -> list[dict]:
     return rows
 
 
+_TILING = re.compile(r"m(\d+)_k(\d+)_w(\d+)_s(\d+)")
+
+
+def _prefill_fn(variant: str, c: int):
+    """variant -> f(q, k, v, start, chosen, k_new, v_new) -> [B, T, Hk, G, D] (QSA blocks of c positions)."""
+    interpret = jax.default_backend() != "gpu"  # a CPU smoke run: the kernel's semantics, not its speed
+    if variant == "jnp":
+        return lambda q, k, v, st, ch, kn, vn: prefill_attention(q, k, v, st, None, ch, c)
+    if variant == "cudnn":
+        return lambda q, k, v, st, ch, kn, vn: cudnn_prefill(q, k, v, st, None, kn, vn)
+    if variant == "pallas":
+        blocks = None
+    else:
+        match = _TILING.fullmatch(variant)
+        if match is None:
+            raise SystemExit(f"bad --attn-prefill-variants entry {variant!r}: expected jnp, pallas, cudnn or "
+                             "m<rows>_k<keys>_w<warps>_s<stages>")
+        try:
+            blocks = PrefillBlocks(*(int(g) for g in match.groups()))
+        except ValueError as e:
+            raise SystemExit(f"bad --attn-prefill-variants entry {variant!r}: {e}") from e
+    return lambda q, k, v, st, ch, kn, vn: flash_prefill(q, k, v, st, None, ch, c, blocks=blocks,
+                                                         interpret=interpret)
+
+
+def prefill_attention_flops(slots: int, fill: int, chunk: int, heads: int, head_dim: int) -> float:
+    """The two matmuls of causal attention for a chunk of ``chunk`` tokens after ``fill`` cached ones: token t sees
+    fill + t + 1 positions, 4 x head_dim FLOPs per query head and position."""
+    return 4.0 * head_dim * heads * slots * (chunk * fill + chunk * (chunk + 1) / 2)
+
+
+def _prefill_inputs(key, b: int, t: int, ctx: int, fill: int, hk: int, g: int, d: int, iters: int, qsa_top: int,
+                    c: int):
+    """(q, [k], [v], start, chosen or None, [k_new], [v_new]): random bf16 caches (beyond the filled part too), the
+    chunk's own keys and values cut from each cache, and with ``qsa_top`` a random selection of about that many
+    complete QSA blocks (of c positions) per token."""
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (b, t, hk, g, d), jnp.bfloat16)
+    ks = [jax.random.normal(jax.random.fold_in(kk, i), (b, hk, ctx, d), jnp.bfloat16) for i in range(iters)]
+    vs = [jax.random.normal(jax.random.fold_in(kv, i), (b, hk, ctx, d), jnp.bfloat16) for i in range(iters)]
+    own = [jnp.transpose(x[:, :, fill:fill + t], (0, 2, 1, 3)) for x in ks + vs]
+    chosen = None
+    if qsa_top:
+        complete = (fill + jnp.arange(t) + 1) // c  # complete blocks per token
+        share = jnp.minimum(1.0, qsa_top / jnp.maximum(complete, 1))[None, :, None]
+        blocks = jnp.arange(ctx // c)[None, None, :]
+        chosen = (jax.random.uniform(kc, (b, t, ctx // c)) < share) & (blocks < complete[None, :, None])
+    return q, ks, vs, jnp.full((b,), fill, jnp.int32), chosen, own[:iters], own[iters:]
+
+
+def _chained_prefill(attend):
+    """As `_chained`, for the prefill forms."""
+    def run(q, ks, vs, start, chosen, kns, vns):
+        out = q
+        for k, v, kn, vn in zip(ks, vs, kns, vns):
+            out = attend(q, k, v, start, chosen, kn, vn)
+            q = (q + out * 1e-3).astype(q.dtype)
+        return out
+    return jax.jit(run)
+
+
+def run_prefill_attention(args) -> list[dict]:
+    """Median time per call of each prefill form per (slots, fill, chunk), against the causal matmul floor, and its
+    largest difference from the first form's output."""
+    cfg = preset_config(args.preset)
+    hk, d = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // hk
+    fills = [int(x) for x in args.attn_prefill_fills.split(",")]
+    chunks = [int(x) for x in args.attn_chunks.split(",")]
+    variants = args.attn_prefill_variants.split(",")
+    if args.attn_qsa:
+        variants = [v for v in variants if v != "cudnn"]  # no per-token block selection without a dense mask
+    c = cfg.indexer_compress_ratio if cfg.qsa else 1
+    fns = {v: _prefill_fn(v, c) for v in variants}
+    need = max(fills) + max(chunks)
+    ctx = -(-max(args.ctx or 0, need) // 1024) * 1024
+    qsa_top = cfg.indexer_budget // c if args.attn_qsa else 0
+    if args.attn_qsa and not qsa_top:
+        raise SystemExit(f"--attn-qsa: the preset {args.preset} has no QSA indexer")
+    rate = matmul_rate()
+    print(f"bf16 matmul rate: {rate / 1e12:.0f} TFLOP/s; {args.preset}: {hk} kv heads x {g} query heads x head dim "
+          f"{d}; cache of {ctx} positions{'; QSA selection' if qsa_top else ''}", flush=True)
+    rows = []
+    for b in args.slots:
+        for fill in fills:
+            for t in chunks:
+                inputs = _prefill_inputs(jax.random.key(fill + t), b, t, ctx, fill, hk, g, d, args.attn_iters,
+                                         qsa_top, c)
+                floor_us = prefill_attention_flops(b, fill, t, hk * g, d) / rate * 1e6
+                want = None
+                for variant in variants:
+                    f = _chained_prefill(fns[variant])
+                    try:
+                        out = np.asarray(jax.block_until_ready(f(*inputs)), np.float32)  # compile + warm-up
+                    except Exception as e:  # noqa: BLE001 - one form refused (cuDNN's shape limits): go on
+                        print(f"  slots {b} fill {fill:6d} chunk {t:5d}: {variant:16s} failed: "
+                              f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    if want is None:
+                        want = out
+                    diff = max_rel_diff(out, want)
+                    us = median_seconds(f, inputs, args.steps) / args.attn_iters * 1e6
+                    rows.append({"slots": b, "fill": fill, "chunk": t, "qsa": bool(qsa_top), "variant": variant,
+                                 "us_per_call": us, "floor_us": floor_us, "floor_fraction": floor_us / us,
+                                 "max_rel_diff": diff})
+                    print(f"  slots {b} fill {fill:6d} chunk {t:5d}: {variant:16s} {us:10.1f} us/call  floor "
+                          f"{floor_us:9.1f} us ({floor_us / us:5.1%})  diff vs {variants[0]} {diff:.1e}", flush=True)
+                del inputs
+    return rows
+
+
 def print_attention_table(rows: list[dict]) -> None:
-    """The rows as a markdown table, each time also as a speed-up over the jnp form at the same (slots, tokens)."""
-    print_variant_table(rows, ("slots", "tokens"), "us_per_call", "us/call", "max_rel_diff", "max rel diff")
+    """The rows as a markdown table, each time also as a speed-up over the jnp form at the same (slots, tokens), or
+    (slots, fill, chunk) for prefill rows."""
+    keys = ("slots", "fill", "chunk") if rows and "fill" in rows[0] else ("slots", "tokens")
+    print_variant_table(rows, keys, "us_per_call", "us/call", "max_rel_diff", "max rel diff")

@@ -1,7 +1,9 @@
 """Host expert benchmarks on random packed experts at `--preset` shapes (`python -m strata_jax.bench`):
 
-* `--mode host`: one MoE layer's host work alone (`HostTier.compute`, the real worker pool), per `--host-kernel`,
-  for each (tokens, host pairs) of `--host-pairs`. No device involved.
+* `--mode host`: one MoE layer's host work alone (`HostTier.compute`, the real worker pool), per `--host-kernel`
+  (numba, xla, numpy), for each (tokens, host pairs) of `--host-pairs`, with the packed weight bytes it reads per
+  second against the host's memory bandwidth (`host_copy_bandwidth`: numpy copies of a large array on as many
+  threads as the pool has workers). No device involved.
 * `--mode roundtrip`: what a host callback costs inside a jitted program and whether splitting it pays. 48
   "layers", each with device work the size of a decode layer's expert kernel (a bf16 matvec over ~130 MB, ~50 us
   on an H200) and one layer's host pairs, timed as: device work only; plus a callback that returns zeros (the
@@ -13,6 +15,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -56,14 +60,60 @@ def _routing(rng, t: int, pairs: int, experts: int, k: int):
     return ids, w, mask.reshape(t, k)
 
 
+def host_copy_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """Bytes/s (read + written) of numpy copying a `mib` MiB array into another, split over `threads` threads (numpy
+    drops the GIL while copying): the host's memory bandwidth as plain numpy reaches it, best of `reps`."""
+    src = np.random.default_rng(0).integers(0, 255, mib << 20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    parts = np.array_split(np.arange(src.size // 4096 + 1) * 4096, threads)
+    spans = [(int(p[0]), int(min(src.size, p[-1] + 4096))) for p in parts if p.size]
+
+    def copy(span):
+        np.copyto(dst[span[0]:span[1]], src[span[0]:span[1]])
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(copy, spans))  # first touch
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(pool.map(copy, spans))
+            best = min(best, time.perf_counter() - t0)
+    return 2 * src.size / best
+
+
+def _time_wall_and_cpu(fn, args, reps: int) -> tuple[float, float]:
+    """Median wall seconds and median process CPU seconds (all threads) of `fn(*args)` over `reps` calls after two
+    warm-up calls. On a shared, loaded machine the CPU time is the steadier of the two (a thread waiting for a core
+    costs wall time, not CPU time)."""
+    fn(*args)
+    fn(*args)
+    wall, cpu = [], []
+    for _ in range(reps):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn(*args)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return float(np.median(wall)), float(np.median(cpu))
+
+
+def _expert_bytes(tier: HostTier) -> int:
+    """Packed bytes of one expert (gate_up and down bits and scales): what a kernel reads per distinct expert."""
+    return sum(np.asarray(tier._arrays[name][0]).nbytes for name in tier._KINDS)
+
+
 def run_host_layer(args) -> list[dict]:
     """`--mode host`: median latency of one layer's `HostTier.compute` over `--steps` calls, per kernel and
-    (tokens, host pairs)."""
+    (tokens, host pairs), and the packed bytes of the distinct experts it reads per second against the host's copy
+    bandwidth on the pool's threads."""
     cfg = preset_config(args.preset)
     e, k = min(cfg.num_experts, 64), cfg.num_experts_per_tok
     tier = _random_tier(args, cfg, e)
-    print(f"host: {tier.pool.workers} pool workers; {e} experts at {args.preset} shapes",
-          flush=True)
+    per_expert = _expert_bytes(tier)
+    copy_bw = host_copy_bandwidth(tier.pool.workers)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"host: {tier.pool.workers} pool workers; {e} experts at {args.preset} shapes, {per_expert / 1e3:.1f} KB "
+          f"packed per expert; numpy copy on {tier.pool.workers} thread(s) {copy_bw / 1e9:.1f} GB/s (read + write); "
+          f"load average {load:.2f} on {os.cpu_count()} CPUs", flush=True)
     rng = np.random.default_rng(1)
     rows = []
     for kernel in args.host_kernel.split(","):
@@ -73,24 +123,30 @@ def run_host_layer(args) -> list[dict]:
             t, pairs = _pairs(spec, k)
             x = rng.standard_normal((t, cfg.hidden_size)).astype(np.float32)
             ids, w, mask = _routing(rng, t, pairs, e, k)
-            ms = time_fn(tier.compute, (x, ids, w, mask), args.steps)[0] * 1e3
-            rows.append({"host_kernel": kernel, "tokens": t, "pairs": pairs, "layer_ms": ms, "pair_ms": ms / pairs})
-            print(f"{kernel}: {t} token(s), {pairs} host pairs: {ms:.2f} ms per layer ({ms / pairs:.3f} ms per pair)",
-                  flush=True)
+            wall, cpu = _time_wall_and_cpu(tier.compute, (x, ids, w, mask), args.steps)
+            ms, cpu_ms = wall * 1e3, cpu * 1e3
+            read = np.unique(ids[mask]).size * per_expert  # bytes of the distinct experts the pairs route to
+            rows.append({"host_kernel": kernel, "tokens": t, "pairs": pairs, "layer_ms": ms, "pair_ms": ms / pairs,
+                         "cpu_ms": cpu_ms, "weight_gb_s": read / ms / 1e6, "copy_gb_s": copy_bw / 1e9,
+                         "floor_ms": read / copy_bw * 1e3, "workers": tier.pool.workers, "load_average": load})
+            print(f"{kernel}: {t} token(s), {pairs} host pairs: {ms:.2f} ms per layer ({ms / pairs:.3f} ms per pair, "
+                  f"{read / ms / 1e6:.2f} GB/s of packed weights; {cpu_ms:.2f} ms of CPU time)", flush=True)
     return rows
 
 
 def print_host_table(rows: list[dict]) -> None:
-    """Markdown: ms per layer for each kernel, and each later kernel's time over the first's."""
+    """Markdown: ms per layer (and GB/s of packed weights) for each kernel, each later kernel's time over the
+    first's, and the floor: the distinct experts' bytes at the measured copy bandwidth."""
     kernels = list(dict.fromkeys(r["host_kernel"] for r in rows))
-    cols = [f"{k} ms/layer" for k in kernels] + [f"{k} / {kernels[0]}" for k in kernels[1:]]
-    print("\n| tokens | host pairs | " + " | ".join(cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
-    by = {(r["host_kernel"], r["tokens"], r["pairs"]): r["layer_ms"] for r in rows}
+    cols = [f"{k} ms/layer (GB/s; CPU ms)" for k in kernels] + [f"{k} / {kernels[0]}" for k in kernels[1:]]
+    print("\n| tokens | host pairs | floor ms | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    by = {(r["host_kernel"], r["tokens"], r["pairs"]): r for r in rows}
     for t, pairs in dict.fromkeys((r["tokens"], r["pairs"]) for r in rows):
-        ms = [by[(k, t, pairs)] for k in kernels]
-        cells = [f"{v:.2f}" for v in ms] + [f"{v / ms[0]:.2f}x" for v in ms[1:]]
-        print(f"| {t} | {pairs} | " + " | ".join(cells) + " |")
+        got = [by[(k, t, pairs)] for k in kernels]
+        cells = [f"{r['layer_ms']:.2f} ({r['weight_gb_s']:.2f}; {r['cpu_ms']:.2f})" for r in got]
+        cells += [f"{r['layer_ms'] / got[0]['layer_ms']:.2f}x" for r in got[1:]]
+        print(f"| {t} | {pairs} | {got[0]['floor_ms']:.3f} | " + " | ".join(cells) + " |")
 
 
 def _layers_program(mode: str, tier: HostTier, weight: jax.Array):

@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.cli_help import DefaultsFormatter
-from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.config import MAX_DRAFT_K, EngineConfig
 from strata_jax.bench.agents import agents_args, print_agents_table, run_agents
 from strata_jax.bench.attention import attention_args, print_attention_table, run_attention
 from strata_jax.bench.fuzz import fuzz_args, print_fuzz_report, run_fuzz
@@ -65,20 +65,28 @@ from strata_jax.bench.host import host_args, print_host_table, print_roundtrip_t
 from strata_jax.bench.tier import print_tier_table, run_tier, tier_args
 from strata_jax.bench.mesh import mesh_args, print_mesh_table, run_mesh_bench
 from strata_jax.bench.users import bench_model, print_users_table, run_users, users_args
+from strata_jax.model.config import PREFILL_ATTENTION_IMPLS
 from strata_jax.demo import DEMO_MODEL
 from strata_jax.model.config import ExpertQuantization
 from strata_jax.engine.steps import (
-    decode_args, decode_step, flat_weights, greedy_sampling, jit_step, verify_args, verify_step,
+    decode_step, flat_weights, jit_step, verify_step,
 )
 from strata_jax.bench.floors import LAUNCH_US, copy_bandwidth, kernel_ops, step_bytes
 from strata_jax.model.cache import ModelCache, kv_dtype_of
 from strata_jax.model.hyper import prefold_hyper_connections
-from strata_jax.bench.synthetic import PRESETS, preset_config, random_cache, synthetic_model
+from strata_jax.model.decoder import enable_fused_decode
+from strata_jax.bench.synthetic import (
+    PLE_ROWS_PER_HEAD, PRESETS, REAL_PARTS_BY_DEFAULT, preset_config, random_cache, synthetic_model,
+    synthetic_ple_tables,
+)
+from strata_jax.bench.oracle import parse_oracle
+from strata_jax.bench.step_inputs import StepInputs, mtp_bytes, mtp_draft_step
 
 
-def _time_step(fn, state, cache, ins, steps: int) -> tuple[float, float, object]:
+def _time_step(fn, state, cache, ins, steps: int, next_ins=None) -> tuple[float, float, object]:
     """(device ms per call over `steps` back-to-back calls, median ms per call when the host reads the first
-    output every call as the engine does, the advanced cache)."""
+    output every call as the engine does, the advanced cache). `next_ins(first output)`: the next call's inputs,
+    built from what the host read (PLE rows gathered for those tokens) inside the host loop's time."""
 
     def cache_of(out):
         return next(o for o in out if isinstance(o, ModelCache))
@@ -98,7 +106,9 @@ def _time_step(fn, state, cache, ins, steps: int) -> tuple[float, float, object]
         t0 = time.perf_counter()
         out = fn(state, cache, *ins)
         cache = cache_of(out)
-        np.asarray(out[0])  # the engine needs the tokens on the host every step
+        tokens = np.asarray(out[0])  # the engine needs the tokens on the host every step
+        if next_ins is not None:
+            ins = next_ins(tokens)
         loop.append(time.perf_counter() - t0)
     return device_ms, statistics.median(loop) * 1e3, cache
 
@@ -110,15 +120,24 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def run_step_bench(args) -> list[dict]:
-    cfg = preset_config(args.preset)
+    cfg = preset_config(args.preset, ple=args.ple, ple_rows_per_head=args.ple_rows_per_head)
     quant = ExpertQuantization(planes=args.planes, group=args.group, impl=args.impl)
+    mtp_k = args.draft_k if args.mtp else 0  # verify chains the MTP head as under --draft mtp
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     bw = copy_bandwidth(args.bandwidth_gib)
     print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s", flush=True)
     t = time.monotonic()
-    model = synthetic_model(cfg, jnp.bfloat16, quant)
+    model = synthetic_model(cfg, jnp.bfloat16, quant, with_mtp=args.mtp)
+    tables = synthetic_ple_tables(cfg)
+    if tables:
+        print(f"PLE: host table of {sum(t.rows for t in tables):,} rows x {tables[0].dim} values (bf16, "
+              f"{sum(s.nbytes for t in tables for s in t.shards) / 2**30:.2f} GiB), rows gathered every step",
+              flush=True)
     if args.hyper_prefold:
         print(f"hyper-connections prefolded: {prefold_hyper_connections(model)}", flush=True)
+    if args.fused_decode:
+        print(f"fused decode kernels (MoE router and shared expert, DeltaNet conv + rule): "
+              f"{enable_fused_decode(model)} modules", flush=True)
     graphdef, state = nnx.split(model)
     jax.block_until_ready(state)
     print(f"synthetic {args.preset}: {sum(x.nbytes for x in jax.tree_util.tree_leaves(state)) / 2**30:.1f} GiB "
@@ -127,29 +146,30 @@ def run_step_bench(args) -> list[dict]:
     # what flattening costs, as the nnx.State pytree.
     flat = args.state_args == "leaves"
     decode = jit_step(decode_step, graphdef, state, flat=flat)
-    verify = jit_step(verify_step, graphdef, state, flat=flat)
+    verify = jit_step(verify_step, graphdef, state, mtp_k, flat=flat)
+    steps = {"decode": decode, "verify": verify}
+    if mtp_k:  # the MTP drafter's own call, timed alone
+        steps["mtp"] = jit_step(mtp_draft_step, graphdef, state, mtp_k, flat=flat)
     weights = flat_weights(state) if flat else state
     window = args.draft_k + 1
 
-    def inputs(kind, s):
-        rng = np.random.default_rng(s)
-        if kind == "decode":
-            return decode_args(rng.integers(0, cfg.vocab_size, s), np.ones(s, bool), greedy_sampling(s))
-        tokens = rng.integers(0, cfg.vocab_size, (s, window))
-        return verify_args(tokens, np.full((s,), window), greedy_sampling(s))
+    def inputs(kind, s, ple_tables=()):
+        return StepInputs(cfg, kind, s, window, jnp.bfloat16, ple_tables)
 
     def compile_one(job):
         kind, s, kv = job
-        cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv)))
+        cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv),
+                                                    with_mtp=bool(mtp_k)))
         t0 = time.monotonic()
-        fn = decode if kind == "decode" else verify
-        compiled = fn.lower(weights, cache, *inputs(kind, s)).compile()
+        fn = steps[kind]
+        compiled = fn.lower(weights, cache, *inputs(kind, s).first()).compile()
         print(f"compiled {kind}[{s}]{_kv_label(kv)} in {time.monotonic() - t0:.0f}s", flush=True)
         return job, compiled, time.monotonic() - t0
 
     # One row per (step, slots) and KV cache dtype (--cache-dtype bf16,int8,fp8).
     jobs = [(kind, s, kv) for kv in args.cache_dtypes
-            for kind, s in [("decode", s) for s in args.slots] + [("verify", s) for s in args.verify_slots]]
+            for kind, s in [("decode", s) for s in args.slots] + [("verify", s) for s in args.verify_slots]
+            + [("mtp", s) for s in (args.slots if mtp_k else ())]]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         compiled = {job: (c, dt) for job, c, dt in pool.map(compile_one, jobs)}
     rows, decode_ms = [], {}
@@ -162,17 +182,23 @@ def run_step_bench(args) -> list[dict]:
             os.makedirs(args.dump_hlo, exist_ok=True)
             with open(os.path.join(args.dump_hlo, f"{kind}_{s}.hlo.txt"), "w") as f:
                 f.write(hlo)
-        cache = random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv))
-        device_ms, loop_ms, cache = _time_step(fn, weights, cache, inputs(kind, s), args.steps)
+        cache = random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv), with_mtp=bool(mtp_k))
+        feed = inputs(kind, s, tables)  # with PLE, the host loop gathers each step's rows from the table
+        device_ms, loop_ms, cache = _time_step(fn, weights, cache, feed.first(), args.steps,
+                                               feed.build if feed.ple is not None and kind != "mtp" else None)
         if args.profile:  # a few more steps under the profiler, as a Perfetto trace (kernel names = HLO fusions)
-            ins = inputs(kind, s)
+            ins = feed.first()
             with jax.profiler.trace(os.path.join(args.profile, f"{kind}_{s}"), create_perfetto_trace=True):
                 for _ in range(2):  # bench_profile's default --steps
                     cache = next(o for o in fn(weights, cache, *ins) if isinstance(o, ModelCache))
                 jax.block_until_ready(cache)
         del cache
-        per_slot = 1 if kind == "decode" else window
-        parts = step_bytes(cfg, model, s, args.fill, tokens_per_slot=per_slot, kv_quantized=kv_dtype_of(kv) is not None)
+        per_slot = window if kind == "verify" else 1
+        if kind == "mtp":  # the MTP head and k reads of the LM head (its own KV aside)
+            parts = {"mtp_and_lm_head": mtp_bytes(state, cfg, mtp_k)}
+        else:
+            parts = step_bytes(cfg, model, s, args.fill, tokens_per_slot=per_slot,
+                               kv_quantized=kv_dtype_of(kv) is not None)
         total = sum(parts.values())
         mem_ms = total / bw * 1e3
         launch_ms = kernels * LAUNCH_US / 1e3
@@ -183,17 +209,23 @@ def run_step_bench(args) -> list[dict]:
             "tok_s": s / loop_ms * 1e3, "bytes_gb": total / 1e9, "bytes": parts, "mem_floor_ms": mem_ms,
             "kernels": kernels, "kernels_by_op": ops, "launch_floor_ms": launch_ms, "floor_ms": floor_ms,
             "fraction_of_floor": floor_ms / device_ms, "compile_s": compile_s,
+            "mtp_k": mtp_k if kind != "decode" else 0, "ple": bool(cfg.ple_layers),
+            # host PLE work per step in the host loop (hash + gather; median ms), None without PLE
+            "ple_host_ms": statistics.median(feed.host_ms) if feed.host_ms else None,
         }
         if kind == "decode":
             decode_ms[(s, kv)] = loop_ms
+        elif kind == "mtp" and (s, kv) in decode_ms:
+            row["mtp_over_decode"] = loop_ms / decode_ms[(s, kv)]
         elif (s, kv) in decode_ms:
             row["verify_over_decode"] = loop_ms / decode_ms[(s, kv)]
             row["tok_s_at_acceptance"] = {
                 str(a): s * expected_tokens(a, args.draft_k) / loop_ms * 1e3 for a in (0.5, 0.75, 0.9)
             }
         rows.append(row)
+        ple_note = f", PLE gather {row['ple_host_ms']:.2f} ms on the host" if row["ple_host_ms"] is not None else ""
         print(f"{kind}[{s}]{_kv_label(kv)}: {device_ms:.2f} ms/call device, {loop_ms:.2f} ms with host sync, "
-              f"{kernels} kernels", flush=True)
+              f"{kernels} kernels{ple_note}", flush=True)
         if args.json:
             _write_json(args.json, [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows])
     return [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows]
@@ -277,16 +309,23 @@ def run_load_times(args) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print("\n| step | slots | KV | ms (device) | ms (+host sync) | tok/s | GB read | mem floor ms | kernels "
-          "| launch floor ms | floor / time | verify / decode | tok/s at 50/75/90% acceptance |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| launch floor ms | floor / time | verify / decode | tok/s at 50/75/90% acceptance | PLE host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['verify_over_decode']:.2f}x" if "verify_over_decode" in r else "-"
         acc = " / ".join(f"{v:.0f}" for v in r["tok_s_at_acceptance"].values()) if "tok_s_at_acceptance" in r else "-"
-        name = r["kind"] if r["kind"] == "decode" else f"verify[{r['tokens_per_slot']}]"
+        name = {"decode": "decode", "mtp": f"mtp draft[{r.get('mtp_k')}]"}.get(r["kind"],
+                                                                            f"verify[{r['tokens_per_slot']}]")
+        if r["kind"] == "verify" and r.get("mtp_k"):
+            name += f"+mtp[{r['mtp_k']}]"
+        if r.get("ple"):
+            name += " +PLE" if r["kind"] != "mtp" else ""
+        ratio = f"{r['mtp_over_decode']:.2f}x" if "mtp_over_decode" in r else ratio
         kv = r.get("cache_dtype", "bfloat16")
         print(f"| {name} | {r['slots']} | {kv} | {r['device_ms']:.2f} | {r['loop_ms']:.2f} | {r['tok_s']:.0f} "
               f"| {r['bytes_gb']:.2f} | {r['mem_floor_ms']:.2f} | {r['kernels']} | {r['launch_floor_ms']:.2f} "
-              f"| {r['fraction_of_floor']:.0%} | {ratio} | {acc} |")
+              f"| {r['fraction_of_floor']:.0%} | {ratio} | {acc} "
+              f"| {'-' if r.get('ple_host_ms') is None else format(r['ple_host_ms'], '.2f')} |")
 
 
 def _write_json(path: str, rows: list[dict]) -> None:
@@ -342,11 +381,26 @@ def build_parser() -> argparse.ArgumentParser:
                             "while a server allocates far more, e.g. 65536: costs that grow with the allocation "
                             "show with it)")
     model.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
+    model.add_argument("--prefill-attention", choices=PREFILL_ATTENTION_IMPLS, default="auto",
+                       help="how prompt chunks attend (users, prefill, agents modes; `serve --prefill-attention`): "
+                            "auto (today: jnp), jnp, pallas (the flash-style kernel), cudnn")
     model.add_argument("--cache-dtype", default=None, metavar="DTYPE[,DTYPE...]",
                        help="KV cache dtype: bf16, float32, int8 or fp8 (EngineConfig.cache_dtype; int8 / fp8 "
                             "quantize K and V with a scale per position and kv head). Step mode takes a comma "
                             "list (one row per dtype); users and prefill modes one. Default: the weights' dtype")
     model.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    model.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
+                       help="step and users modes on a --preset: the MTP head a real checkpoint has (step mode: "
+                            "verify chains it draft-k times as under --draft mtp, and its draft call is timed alone; "
+                            "users mode: --draft mtp drafts with it). Default: on for flash-next-125b, off for tiny "
+                            "(--no-mtp: as measured before 2026-12-02)")
+    model.add_argument("--ple", action=argparse.BooleanOptionalAction, default=None,
+                       help="step and users modes on a --preset: the PLE layer, its rows gathered on the host from "
+                            "a synthetic n-gram table before every step. Default: on for flash-next-125b, off for "
+                            "tiny (--no-ple: as measured before 2026-12-02)")
+    model.add_argument("--ple-rows-per-head", type=int, default=PLE_ROWS_PER_HEAD,
+                       help="rows per n-gram head of the synthetic PLE table (16 heads of 160 values in bf16: "
+                            "262,144 rows per head is 1.3 GiB; the real table has 20M, 95 GiB)")
     model.add_argument("--planes", type=int, default=1, help="expert bit-planes")
     model.add_argument("--group", type=int, default=128, help="inputs per expert scale")
     model.add_argument("--impl", default="auto", help="expert kernel: auto | pallas | xla | reference")
@@ -375,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--hyper-prefold", action="store_true",
                       help="run every hyper-connection as prefold_mix (strata_jax.model.hyper), an experiment that "
                            "is off by default (no gain in the step: docs/PERF.md)")
+    step.add_argument("--fused-decode", action="store_true",
+                      help="calls of at most 16 tokens run the MoE router and shared expert, and each Gated "
+                           "DeltaNet's conv + delta rule, as fused Pallas kernels (strata_jax.model.decoder."
+                           "enable_fused_decode; off by default: not yet measured, docs/PERF.md \"Fused decode "
+                           "kernels\")")
     users_args(p.add_argument_group("users mode (--model-dir, --dtype, --prefill-chunks also prefill; --routing, "
                                     "--zipf-s, --vram-reserve-mib also tier)"))
     tier_args(p.add_argument_group("tier mode"))
@@ -395,6 +454,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode in ("users", "prefill", "agents") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
     args.preset = args.preset or "flash-next-125b"
+    if args.mode not in ("step", "users") or args.model_dir:  # MTP and PLE of a synthetic preset: those modes only
+        args.mtp = args.ple = False
+    real = args.preset in REAL_PARTS_BY_DEFAULT  # a real checkpoint's MTP head and PLE, unless told otherwise
+    args.mtp = real if args.mtp is None else args.mtp
+    args.ple = real if args.ple is None else args.ple
+    try:
+        parse_oracle(args.draft)
+        if args.mode == "step" and args.mtp and args.draft_k > MAX_DRAFT_K["mtp"]:
+            raise ValueError(f"--draft-k {args.draft_k}: the MTP head chains at most {MAX_DRAFT_K['mtp']} "
+                             "drafts (pass --no-mtp to time longer verify windows)")
+    except ValueError as e:
+        p.error(str(e))
     if args.mode not in ("users", "prefill", "agents") and args.ctx is None:
         args.ctx = 4096
     args.slots = [int(s) for s in args.slots.split(",")]

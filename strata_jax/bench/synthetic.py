@@ -3,6 +3,13 @@
 `PRESETS["flash-next-125b"]` is Qwen3.8-Flash-Next's text model as docs/ARCHITECTURE.md ("Background") gives it.
 Weights are random (never zeros: routing, attention and kernels see realistic data), created parameter by parameter
 on the device.
+
+A real checkpoint also has an MTP head (`synthetic_model(..., with_mtp=True)`) and PLE (`preset_config(name,
+ple=True)`: `PLE_PARTS`, one n-gram layer whose rows the host gathers before every step from a table in host
+memory, `synthetic_ple_tables`). The real table has 20M rows per n-gram head (16 heads of 160 values: 51.2B values,
+95 GiB in bf16); the synthetic one keeps the real row width and heads but `ple_rows_per_head` rows per head
+(default `PLE_ROWS_PER_HEAD`: 262,144, a 1.3 GiB bf16 table). A token still gathers 16 rows of 160 values from a
+table far larger than any cache, hashed exactly as the real one; only the page-table reach differs.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.model.cache import init_cache
 from strata_jax.model.decoder import CausalLM
 from strata_jax.model.moe import QuantizedExperts
+from strata_jax.model.ple_hash import NgramHasher, PleTable
 
 _FLASH_NEXT = {
     "model_type": "qwen4_exp_text",
@@ -76,22 +84,84 @@ _TINY = {
 
 PRESETS = {"flash-next-125b": _FLASH_NEXT, "tiny": _TINY}
 
+# Flash-Next's PLE (per-layer n-gram embedding): one PLE layer (one-indexed 2: model.layers.1, Gated DeltaNet),
+# 2- and 3-grams with 8 hash heads each (16 rows per token), each row 160 values (ple_embed_dim 2560 = hidden / 16).
+# ngram_vocab_size_base is the real rows per head (20M); preset_config scales it to `ple_rows_per_head`.
+_FLASH_NEXT_PLE = {
+    "ple_layer_ids": [2],
+    "ple_embed_dim": 2560,
+    "ple_conv_kernel_size": 4,
+    "ngram_size": 3,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 20_000_000,
+    "make_ngram_vocab_size_divisible_by": 128,
+}
+PLE_PARTS = {"flash-next-125b": _FLASH_NEXT_PLE, "tiny": {**_FLASH_NEXT_PLE, "ple_embed_dim": 128}}
+# Presets whose step and users benchmarks include the MTP head and PLE unless --no-mtp / --no-ple (tiny, the
+# benchmark code's CPU check, takes them with --mtp / --ple).
+REAL_PARTS_BY_DEFAULT = ("flash-next-125b",)
+PLE_ROWS_PER_HEAD = 262_144  # the synthetic table's rows per head: 16 x 262,147 x 160 bf16 values = 1.3 GiB
 
-def preset_config(name: str) -> ModelConfig:
+
+def preset_config(name: str, ple: bool = False, ple_rows_per_head: int = PLE_ROWS_PER_HEAD) -> ModelConfig:
+    """The preset's ModelConfig; with `ple`, plus its PLE layer, the table scaled to `ple_rows_per_head` rows per
+    n-gram head (the hash then maps into that many; row width and heads stay the real ones)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    return ModelConfig.from_hf_dict(PRESETS[name])
+    if not ple:
+        return ModelConfig.from_hf_dict(PRESETS[name])
+    if ple_rows_per_head < 2:
+        raise ValueError(f"ple_rows_per_head must be >= 2, got {ple_rows_per_head}")
+    return ModelConfig.from_hf_dict({**PRESETS[name], **PLE_PARTS[name], "ngram_vocab_size_base": ple_rows_per_head})
+
+
+def synthetic_ple_tables(cfg: ModelConfig, seed: int = 0) -> list[PleTable]:
+    """Host PLE tables (bf16, as a checkpoint stores them) for `cfg.ple_layers`, of the rows the hash addresses.
+    Random values (never zeros); a block of 65,536 random rows is repeated down the table, which is written in
+    seconds rather than drawn value by value (the gather's cost does not depend on the values)."""
+    tables = []
+    for i, _ in enumerate(cfg.ple_layers):
+        rows = NgramHasher.for_layer(cfg, i).table_rows
+        dim = cfg.ple_embed_dim // cfg.ple_ngram_heads
+        block = np.random.default_rng([seed, i]).normal(0.0, 0.1, (min(rows, 65_536), dim))
+        block = block.astype(jnp.bfloat16)
+        table = np.empty((rows, dim), jnp.bfloat16)
+        for start in range(0, rows, block.shape[0]):
+            n = min(block.shape[0], rows - start)
+            table[start : start + n] = block[:n]
+        tables.append(PleTable([table]))
+    return tables
+
+
+class SyntheticPle:
+    """The host half of PLE for benchmark steps: each slot's n-gram context, and the rows of a step's tokens
+    gathered from the tables (the path `LoadedModel.ple_inputs` takes)."""
+
+    def __init__(self, cfg: ModelConfig, tables: list[PleTable], slots: int):
+        self.hashers = [NgramHasher.for_layer(cfg, i) for i in range(len(cfg.ple_layers))]
+        self.tables = tables
+        self.contexts = [h.initial_context(slots) for h in self.hashers]
+
+    def rows(self, tokens: np.ndarray) -> tuple[np.ndarray, ...]:
+        """float32 rows [S, T, ple_embed_dim] per PLE layer for tokens [S, T]; every slot's context moves past them."""
+        tokens = np.asarray(tokens, np.int64)
+        out = []
+        for j, (hasher, table) in enumerate(zip(self.hashers, self.tables)):
+            out.append(table.gather(hasher.row_ids(self.contexts[j], tokens), np.float32))
+            self.contexts[j] = hasher.next_context(self.contexts[j], tokens)
+        return tuple(out)
 
 
 def synthetic_model(cfg: ModelConfig, dtype=jnp.bfloat16, quant: ExpertQuantization | None = None, seed: int = 0,
-                    *, host_pool: HostPool | None = None):
-    """A CausalLM with random weights, every parameter created directly on the default device.
+                    *, host_pool: HostPool | None = None, with_mtp: bool = False):
+    """A CausalLM with random weights, every parameter created directly on the default device; `with_mtp`: with
+    the MTP head (one attention decoder layer with its own MoE) a real checkpoint carries.
 
     With a host expert tier (`quant.gpu_experts` < experts), each MoE layer's full expert stack is generated on the
     device one layer at a time and moved to host RAM, computed there on `host_pool` (default: a new one); its first
     `gpu_experts` experts fill the device pool."""
     host_experts = functools.partial(HostTier, pool=host_pool if host_pool is not None else HostPool())
-    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype, quant=quant, host_experts=host_experts))
+    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype, with_mtp=with_mtp, quant=quant, host_experts=host_experts))
     key = jax.random.key(seed)
     tiered = {p: n for p, n in nnx.iter_graph(model) if isinstance(n, QuantizedExperts) and n.host is not None}
     params = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.Param)]
@@ -127,10 +197,11 @@ def _generator(shape: tuple[int, ...], dtype_name: str, kind: str):
     return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype))
 
 
-def random_cache(cfg, slots, ctx, fill, dtype, kv_dtype=None):
+def random_cache(cfg, slots, ctx, fill, dtype, kv_dtype=None, with_mtp=False):
     """A slot cache of `slots` x `ctx` positions with random contents (never time on zeros) and `fill` tokens in
-    every slot. `kv_dtype`: K and V stored quantized (int8 / float8_e4m3fn, `init_cache`), random bytes too."""
-    cache = init_cache(cfg, slots, ctx, dtype, kv_dtype=kv_dtype)
+    every slot. `kv_dtype`: K and V stored quantized (int8 / float8_e4m3fn, `init_cache`), random bytes too.
+    `with_mtp`: with the MTP head's cache, `fill` pairs in it too."""
+    cache = init_cache(cfg, slots, ctx, dtype, kv_dtype=kv_dtype, with_mtp=with_mtp)
     key = jax.random.key(7)
     leaves, tree = jax.tree_util.tree_flatten(cache)
 
@@ -144,4 +215,6 @@ def random_cache(cfg, slots, ctx, fill, dtype, kv_dtype=None):
 
     leaves = [fill_random(i, x) for i, x in enumerate(leaves)]
     cache = jax.tree_util.tree_unflatten(tree, leaves)
+    if with_mtp:
+        cache = cache.replace(mtp_lengths=jnp.full((slots,), fill, jnp.int32))
     return cache.replace(lengths=jnp.full((slots,), fill, jnp.int32))

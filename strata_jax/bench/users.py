@@ -4,7 +4,9 @@ acceptance rate, with speculation off and on, beside the seed system's published
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -20,8 +22,9 @@ from strata_jax.bench.tier import set_routing
 from strata_jax.model.config import ExpertQuantization
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.bench.floors import copy_bandwidth, step_bytes
+from strata_jax.bench.oracle import OracleDrafter, oracle_label, parse_oracle
 from strata_jax.model.moe import add_routing_bias
-from strata_jax.bench.synthetic import preset_config, synthetic_model
+from strata_jax.bench.synthetic import PLE_ROWS_PER_HEAD, preset_config, synthetic_model, synthetic_ple_tables
 
 # Strata, RTX 5090, 256K context (docs/ARCHITECTURE.md, "Background"): users -> (per-user tok/s, aggregate tok/s, TTFT).
 SEED = {1: (144.0, 144.0, "< 2 s"), 4: (38.0, 125.0, "2-8 s"), 8: (19.0, 130.0, "2-8 s")}
@@ -47,16 +50,21 @@ def bench_model(args) -> LoadedModel:
         if args.routing != "uniform":
             raise ValueError("--routing zipf needs a synthetic model (--preset)")
         quant = {"quantize": "1bit", "planes": args.planes, "group": args.group} if args.planes else {}
-        return load_model(args.model_dir, dtype=args.dtype, gpu_experts=gpu_experts, **quant, **_mesh_kwargs(args))
-    cfg = preset_config(args.preset)
+        return load_model(args.model_dir, dtype=args.dtype, gpu_experts=gpu_experts, **quant, **_mesh_kwargs(args),
+                          prefill_attention=getattr(args, "prefill_attention", "auto"))
+    # With PLE (step and users modes: --no-ple leaves it out) the preset's layer and a host table
+    # (strata_jax/bench/synthetic.py); with MTP its head, which `--draft mtp` drafts with.
+    ple, with_mtp = getattr(args, "ple", False), getattr(args, "mtp", False)
+    cfg = preset_config(args.preset, ple=ple, ple_rows_per_head=getattr(args, "ple_rows_per_head", PLE_ROWS_PER_HEAD))
+    cfg = dataclasses.replace(cfg, prefill_attention_impl=getattr(args, "prefill_attention", "auto"))
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     quant = ExpertQuantization(planes=args.planes or 1, group=args.group, impl=args.impl, gpu_experts=gpu_experts)
     pool = HostPool()
-    model = synthetic_model(cfg, dtype, quant, host_pool=pool)
+    model = synthetic_model(cfg, dtype, quant, host_pool=pool, with_mtp=with_mtp)
     if args.routing != "uniform":
         add_routing_bias(model)
-    loaded = LoadedModel(Path(f"synthetic:{args.preset}"), cfg, model, dtype, [], None, host_pool=pool,
-                         **_mesh_kwargs(args))
+    loaded = LoadedModel(Path(f"synthetic:{args.preset}"), cfg, model, dtype, synthetic_ple_tables(cfg), None,
+                         host_pool=pool, **_mesh_kwargs(args))
     set_routing(loaded.state, args.routing, args.zipf_s)
     if loaded.mesh is not None:  # the routing bias just set, placed like the rest
         from strata_jax.model.expert_parallel import shard_state
@@ -129,10 +137,11 @@ def user_prompts(model: LoadedModel, users: int, tokens: int) -> list[tuple[int,
 async def _one(engine: Engine, prompt, gen_tokens: int):
     started = time.perf_counter()
     stream = await engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=gen_tokens, ignore_eos=True)))
-    first, count, last = None, 0, None
+    first, count, last, ids = None, 0, None, []
     async for ev in stream:
         if ev.token_id is not None:
             count += 1
+            ids.append(ev.token_id)
             first = first or time.perf_counter()
         last = ev
     end = time.perf_counter()
@@ -142,6 +151,7 @@ async def _one(engine: Engine, prompt, gen_tokens: int):
         "tokens": count,
         "drafted": last.draft_tokens,
         "accepted": last.accepted_draft_tokens,
+        "token_ids": ids,
     }
 
 
@@ -182,27 +192,38 @@ def run_users(args) -> list[dict]:
     net = nnx.merge(model.graphdef, model.state)
     rows = []
     drafts = ["none"] if args.draft == "none" else ["none", args.draft]
+    records = {}  # users -> each prompt + its greedy answer from the "none" row, replayed by --draft oracle:P
     for draft in drafts:
         for users in args.users:
             builtin = draft in ("none", "ngram", "mtp")
+            oracle_p = parse_oracle(draft)
             config = EngineConfig(slots=users, max_context=ctx, prefill_chunks=args.prefill_chunks, prefix_cache_mib=0,
                                   prefill_batch=args.prefill_batch,
                                   draft=draft if builtin else "none", draft_k=args.draft_k,
+                                  adaptive_draft=getattr(args, "adaptive_draft", True),
                                   overlap_steps=not args.no_overlap, cache_dtype=getattr(args, "cache_dtype", None))
-            engine = Engine(model, config, drafter=None if builtin else _draft_model(draft, model, config, args))
+            if oracle_p is not None:  # benchmark only (strata_jax/bench/oracle.py)
+                drafter = OracleDrafter(records[users], oracle_p, model.config.vocab_size, seed=users)
+            else:
+                drafter = None if builtin else _draft_model(draft, model, config, args)
+            engine = Engine(model, config, drafter=drafter)
             engine.start()
+            prompts = user_prompts(model, users, args.prompt_tokens)
             try:
-                results, wall = run_all_users(engine, user_prompts(model, users, args.prompt_tokens), args.gen_tokens)
+                results, wall = run_all_users(engine, prompts, args.gen_tokens)
                 stats = engine.stats()
             finally:
                 engine.shutdown()
+            if draft == "none":
+                records[users] = [p + tuple(r["token_ids"]) for p, r in zip(prompts, results)]
             ttfts = sorted(r["ttft"] for r in results)
             # The floor of one decode step at this many slots, half-way through the answers.
             floor_ms = sum(step_bytes(model.config, net, users, args.prompt_tokens + args.gen_tokens // 2).values())
             floor_ms = floor_ms / bandwidth * 1e3
             drafted = sum(r["drafted"] for r in results)
             row = {
-                "model": str(model.path), "users": users, "speculation": draft,
+                "model": str(model.path), "users": users,
+                "speculation": draft if oracle_p is None else oracle_label(oracle_p),
                 "per_user_tok_s": statistics.mean(r["decode_tok_s"] for r in results),
                 "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
                 "ttft_p50_s": ttfts[len(ttfts) // 2],
@@ -222,8 +243,12 @@ def run_users(args) -> list[dict]:
                 "prefill_calls": stats.get("prefill_calls_total"),
                 "prefill_chunks": stats.get("prefill_chunks_total"),
             }
+            if oracle_p is not None:  # what the replay saw: per-draft acceptance ~ P unless outputs left the record
+                row.update(oracle_p=oracle_p, oracle_per_draft_acceptance=drafter.per_draft_acceptance(),
+                           oracle_diverged=drafter.counts["diverged"], draft_k=args.draft_k,
+                           adaptive_draft=config.adaptive_draft)
             rows.append(row)
-            print(f"users {users}, speculation {draft}: {row['per_user_tok_s']:.1f} tok/s per user, "
+            print(f"users {users}, speculation {row['speculation']}: {row['per_user_tok_s']:.1f} tok/s per user, "
                   f"{row['aggregate_tok_s']:.1f} aggregate, TTFT p50 {row['ttft_p50_s']:.2f} s, "
                   f"GPU expert hit rate {row['gpu_hit_rate']:.1%}", flush=True)
     return rows
@@ -245,6 +270,8 @@ def print_users_table(rows: list[dict]) -> None:
         seed_u = "-" if r["seed_per_user_tok_s"] is None else f"{r['seed_per_user_tok_s']:.0f}"
         seed_a = "-" if r["seed_aggregate_tok_s"] is None else f"{r['seed_aggregate_tok_s']:.0f}"
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        if r.get("oracle_per_draft_acceptance") is not None:  # the oracle's P, as measured
+            acc += f" ({r['oracle_per_draft_acceptance']:.0%} per draft)"
         print(f"| {r['users']} | {r['speculation']} | {r['per_user_tok_s']:.1f} ({seed_u}) "
               f"| {r['aggregate_tok_s']:.1f} ({seed_a}) | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} "
               f"({r['seed_ttft'] or '-'}) | {acc} | {r['step_floor_ms']:.3f} | {r['fraction_of_floor']:.0%} "
@@ -259,9 +286,15 @@ def users_args(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens per user")
     p.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per user")
     p.add_argument("--draft", default="ngram",
-                   help="drafter for the speculation-on rows: none, ngram (default), mtp, or a draft model's "
-                        "checkpoint DIR (same tokenizer, no PLE; e.g. from `python -m strata_jax.weights.layer_draft`)")
-    p.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step")
+                   help="drafter for the speculation-on rows: none, ngram (default), mtp, a draft model's "
+                        "checkpoint DIR (same tokenizer, no PLE; e.g. from `python -m strata_jax.weights.layer_draft`)"
+                        ", or oracle:P (benchmark only: replays the none rows' greedy answers as drafts, each token "
+                        "wrong with probability 1-P; its rows say \"oracle P=..\")")
+    p.add_argument("--draft-k", type=int, default=4,
+                   help="the longest draft per step (at most 16 for ngram and oracle, 8 for mtp and a draft model)")
+    p.add_argument("--adaptive-draft", action=argparse.BooleanOptionalAction, default=True,
+                   help="each slot's draft length follows its acceptance up to --draft-k (EngineConfig."
+                        "adaptive_draft); --no-adaptive-draft: always --draft-k (default: adaptive)")
     p.add_argument("--no-overlap", action="store_true",
                    help="read every decode step's tokens back before launching the next (EngineConfig.overlap_steps "
                         "off), to measure what overlapping buys")

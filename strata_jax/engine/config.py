@@ -11,6 +11,14 @@ CPU_CONTEXT = 65_536  # no device statistics to plan with; the demo's caches at 
 MAX_DEFAULT_CONTEXT = 262_144  # more only on request: prefill attention and its slot copy grow with it
 # EngineConfig.cache_dtype's values (None: the model's dtype); int8 and fp8 quantize the attention K and V only.
 CACHE_DTYPES = (None, "bfloat16", "float32", "int8", "fp8")
+# The longest draft per drafter (EngineConfig.draft; "none" is a drafter passed to the Engine, e.g. a draft model
+# or a benchmark's oracle). A model drafter runs one forward pass per drafted token, each reading the LM head
+# (1.27 GB at Flash-Next shapes), and the chance that its k-th guess survives falls as acceptance^k: past 8 the
+# chain costs more than it returns. Prompt lookup drafts for free, so long copies get up to 16; a verify window of
+# more than 16 tokens (k = 16) leaves the decode kernels (decode attention and the recurrent delta rule take
+# T <= 16) for the chunked paths, so k = 16 is the one width past them.
+MAX_DRAFT_K = {"none": 16, "ngram": 16, "mtp": 8}
+MAX_MODEL_DRAFT_K = 8  # a separate draft model (strata_jax/engine/draft_model.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +33,12 @@ class EngineConfig:
     for the most recently used snapshots (restored device to device; the others go to the host; 0 = none).
     snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
     draft: speculative drafter for every slot: "none", "ngram" (prompt lookup) or "mtp" (the checkpoint's own MTP
-    head, chained draft_k times inside each step); draft_k: tokens guessed per step. adaptive_draft: a request whose
-    drafts miss 3 verify windows in a row decodes plainly for the next 8 steps (then drafts again).
+    head, chained draft_k times inside each step); draft_k: the most tokens guessed per step for a slot, at most
+    `MAX_DRAFT_K[draft]` (16 for n-gram and for a drafter passed to the Engine, 8 for the model drafters).
+    adaptive_draft: each slot's draft length grows and shrinks with its acceptance (strata_jax/engine/draft_policy.py:
+    a length from `draft_ks` by an acceptance EWMA; none for a few steps while drafts keep missing); the verify
+    step is compiled for each of `verify_widths` and a step takes the narrowest that fits its longest draft (shorter
+    windows inside it are masked). Off: every slot drafts draft_k tokens every step (one compiled verify width).
     cache_dtype: dtype of KV and conv caches ("bfloat16" (or "bf16") / "float32"; None = the model's dtype), or
     "int8" / "fp8" (e4m3): attention K and V stored in one byte with a float32 scale per position and kv head (half
     a bf16 KV cache), the other caches in the model's dtype. Gated DeltaNet recurrent state is always float32.
@@ -83,8 +95,9 @@ class EngineConfig:
                              f"{self.cache_dtype!r}")
         if self.draft not in ("none", "ngram", "mtp"):
             raise ValueError(f"draft must be 'none', 'ngram' or 'mtp', got {self.draft!r}")
-        if not 1 <= self.draft_k <= 15:
-            raise ValueError(f"draft_k must be in 1..15, got {self.draft_k}")
+        most = MAX_DRAFT_K[self.draft]
+        if not 1 <= self.draft_k <= most:
+            raise ValueError(f"draft_k must be in 1..{most} for draft={self.draft!r}, got {self.draft_k}")
         if not self.watchdog_s >= 0:
             raise ValueError(f"watchdog_s must be >= 0 (0 = off), got {self.watchdog_s}")
         if self.progress_min_tokens < 1 or not self.progress_every_s >= 0:
@@ -112,6 +125,20 @@ class EngineConfig:
         """The prompt counts a prefill call is compiled for: powers of two up to `prefill_batch` and the slots."""
         most = min(self.prefill_batch, self.slots)
         return tuple(1 << i for i in range(most.bit_length()) if 1 << i <= most)
+
+    @property
+    def draft_ks(self) -> tuple[int, ...]:
+        """The draft lengths a slot can take: powers of two below `draft_k` and `draft_k` itself with
+        `adaptive_draft`, else `draft_k` alone (each is one compiled verify width)."""
+        if not self.adaptive_draft:
+            return (self.draft_k,)
+        return tuple(sorted({1 << i for i in range(self.draft_k.bit_length()) if 1 << i < self.draft_k}
+                            | {self.draft_k}))
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """The verify windows compiled at warm-up (last token + drafts), narrowest first."""
+        return tuple(k + 1 for k in self.draft_ks)
 
     @property
     def chunk(self) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.loaded_model import LoadedModel
-from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.config import MAX_MODEL_DRAFT_K, EngineConfig
 from strata_jax.engine.drafters import DraftRequest
 from strata_jax.engine.runner import ModelRunner, RunnerModel
 
@@ -44,6 +44,9 @@ class DraftModelDrafter:
             raise ValueError("draft models with PLE layers are not supported yet (their rows depend on drafts)")
         if draft.config.vocab_size > target_vocab:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) exceeds the target's")
+        if config.draft_k > MAX_MODEL_DRAFT_K:
+            raise ValueError(f"draft_k {config.draft_k} is too long for a draft model (at most {MAX_MODEL_DRAFT_K}: "
+                             "it runs one forward pass per drafted token)")
         self.k = config.draft_k
         self.runner = ModelRunner(RunnerModel.of(draft), dataclasses.replace(config, draft="none", prefix_cache_mib=0))
         self._draft = jax.jit(functools.partial(_draft_k, self.k, draft.graphdef))

@@ -1,6 +1,8 @@
 """Drafters for speculative decoding, behind one interface: each step the scheduler asks the drafter once for every
 decoding slot's guesses, and the verify step checks them all (strata_jax/engine/speculative.py keeps the output
-exact). `EngineConfig.draft` picks a built-in one (`make_drafter`); `Engine(..., drafter=...)` takes any other.
+exact). `EngineConfig.draft` picks a built-in one (`make_drafter`); `Engine(..., drafter=...)` takes any other
+(e.g. a draft model, strata_jax/engine/draft_model.py, or the benchmarks' oracle, strata_jax/bench/oracle.py). How
+many tokens each slot asks for is the scheduler's (`EngineConfig.draft_k`, `adaptive_draft`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ class DraftRequest:
 
     owner: identifies the request (a drafter that keeps per-slot state starts over when a slot's owner changes).
     history: the whole sequence so far, prompt + generated; the target model has consumed all but its last token.
-    limit: the most drafts that can still be emitted (may be <= 0: then none).
+    limit: the most drafts to propose now: the slot's draft length this step (strata_jax/engine/draft_policy.py:
+        it follows the slot's acceptance) cut to what can still be emitted (may be <= 0: then none). Longer
+        proposals are cut to it.
     device_drafts: the guesses of the checkpoint's MTP head computed by the last step (empty without MTP).
     """
 

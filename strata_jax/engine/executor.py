@@ -139,7 +139,9 @@ class StepExecutor:
     def verify(self, jobs: list[Job], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
         """One verify step for `jobs` (slots without drafts ride along as plain decode); returns slot -> emitted
         tokens: the accepted drafts, then the target's own next token."""
-        s, width = self.config.slots, self.config.draft_k + 1
+        # The narrowest compiled window that holds the longest draft; shorter windows in it are masked (n_valid).
+        longest = 1 + max((len(drafts.get(job.slot, [])) for job in jobs), default=0)
+        s, width = self.config.slots, next(w for w in self.config.verify_widths if w >= longest)
         tokens = np.zeros((s, width), np.int32)
         n_valid = np.zeros(s, np.int32)
         masks, wanted = self._grammar(jobs, width=width)

@@ -29,8 +29,6 @@ class Job:
     progress_at: float = 0.0  # when its prefill progress was last logged
     consumed: int = 0  # tokens in the slot's cache
     device_drafts: list[int] = dataclasses.field(default_factory=list)  # MTP guesses from the last step
-    misses: int = 0  # consecutive verify windows with no draft accepted
-    backoff: int = 0  # steps left without drafting
     drafted: int = 0
     accepted: int = 0
     refilling: bool = False  # prefilling prompt + generated[:-1] again after the slot's state was lost

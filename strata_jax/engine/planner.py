@@ -286,14 +286,24 @@ def _cache_parts(cfg: ModelConfig, slots: int, max_context: int, dtype, with_mtp
     return tuple((k, v) for k, v in parts.items() if v)
 
 
-def _workspace(cfg: ModelConfig, engine: EngineConfig, act_bytes: int, cache_bytes: int,
+def _largest_layer_bytes(cfg: ModelConfig, max_context: int, dtype, with_mtp: bool, kv_dtype=None) -> int:
+    """One slot's cache bytes of its largest layer (an attention layer's KV, scales and QSA keys; or the MTP
+    layer's), from `init_cache`'s own shapes: what a prefill call copies per prompt at a time."""
+    one = jax.eval_shape(lambda: init_cache(cfg, 1, max_context, dtype, with_mtp=with_mtp, kv_dtype=kv_dtype))
+    layers = list(one.layers) + ([one.mtp] if one.mtp is not None else [])
+    return max(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(layer))
+               for layer in layers)
+
+
+def _workspace(cfg: ModelConfig, engine: EngineConfig, act_bytes: int, layer_slot_bytes: int,
                recurrent_bytes: int) -> Workspace:
     """Peak transient bytes of the largest step, assuming XLA reuses buffers across layers (one layer's
     intermediates live at a time) and the current model code: decode and verify attention materialise float32
     scores and activation-dtype probabilities over the whole cache length for every query head (QSA only masks
     them), a prefill chunk's attention only over one key block at a time (pallas_kernels.prefill_attention); logits
     are computed for every position of a decode or verify step and for each prompt's last position in a prefill
-    (activation dtype, then float32); a prefill call works on a copy of its slots' caches (`take_slots`); a verify
+    (activation dtype, then float32); a prefill call updates its slots' rows of the cache in place, copying one
+    layer's rows at a time (`layer_slot_bytes` per prompt: `TextModel`'s `cache_rows`); a verify
     step (drafting) keeps the pre-step recurrent and conv state for the rollback plus the replay inputs of every
     GDN layer.
 
@@ -329,7 +339,7 @@ def _workspace(cfg: ModelConfig, engine: EngineConfig, act_bytes: int, cache_byt
         return terms
 
     chunk, prompts = engine.chunk, max(engine.prefill_batches)
-    prefill = step_terms(prompts, chunk, prefill=True) + [("slot cache copy", prompts * cache_bytes // engine.slots)]
+    prefill = step_terms(prompts, chunk, prefill=True) + [("one layer's slot rows", prompts * layer_slot_bytes)]
     draft = getattr(engine, "draft", "none")  # drafting arrives with the speculation issue
     t = getattr(engine, "draft_k", 0) + 1 if draft != "none" else 1
     decode = step_terms(engine.slots, t)
@@ -395,7 +405,10 @@ def make_plan(
     cache = _cache_parts(cfg, engine.slots, engine.max_context,
                          jnp.dtype(weights_dtype if kv_dtype is not None else cache_dtype), with_mtp, kv_dtype)
     recurrent = sum(b for k, b in cache if k in ("GDN conv state", "GDN recurrent state (fp32)", "PLE conv state"))
-    workspace = _workspace(cfg, engine, jnp.dtype(weights_dtype).itemsize, sum(b for _, b in cache), recurrent)
+    layer_slot = _largest_layer_bytes(cfg, engine.max_context,
+                                      jnp.dtype(weights_dtype if kv_dtype is not None else cache_dtype), with_mtp,
+                                      kv_dtype)
+    workspace = _workspace(cfg, engine, jnp.dtype(weights_dtype).itemsize, layer_slot, recurrent)
     fixed = sum(b for _, b in w.dense) + sum(b for _, b in cache) + workspace.bytes
     top_k = min(cfg.num_experts_per_tok, cfg.num_experts)
     layer_bytes = w.expert_bytes * w.moe_layers  # one expert slot in every MoE layer

@@ -288,8 +288,7 @@ class ModelRunner:
         ]
         jobs.append(("decode", 1, s, decode_args(np.zeros(s, np.int32), np.zeros(s, bool), greedy_sampling(s),
                                                  rows(s, 1), dtype, **self._extras((s,), None, None))))
-        if self.with_verify:
-            w = self.config.draft_k + 1
+        for w in self.config.verify_widths if self.with_verify else ():  # one per draft length (draft_policy.py)
             jobs.append(("verify", w, s, verify_args(np.zeros((s, w), np.int32), np.zeros(s, np.int32),
                                                      greedy_sampling(s), rows(s, w), dtype,
                                                      **self._extras((s, w), None, None))))

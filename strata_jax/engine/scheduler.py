@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.draft_policy import DraftLengths
 from strata_jax.engine.drafters import DraftRequest, Drafter
 from strata_jax.engine.executor import PrefillBatchFailed, StepExecutor
 from strata_jax.engine.job import Job
@@ -56,6 +57,8 @@ class Scheduler:
         self.kv_len = runner.cache.max_len
         self.counters = collections.Counter()
         self.executor = StepExecutor(model, config, runner, placement, self.counters)
+        # Per-slot draft lengths from acceptance (strata_jax/engine/draft_policy.py); None: always draft_k.
+        self.draft_lengths = DraftLengths(config.draft_ks) if config.adaptive_draft else None
         self._queue: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * config.slots
         self._cancelled: set[str] = set()
@@ -324,17 +327,21 @@ class Scheduler:
         return in_flight is None or all(j in in_flight.jobs for j in running)
 
     def _drafts(self, jobs: list[Job]) -> dict[int, list[int]]:
-        """The drafter's guesses for every decoding job but those whose drafts are paused (adaptive backoff)."""
+        """The drafter's guesses for every decoding job, each at most its slot's draft length (adaptive: from its
+        acceptance, 0 while paused; else draft_k), cut to what a compiled verify window holds."""
         if self.drafter is None:
             return {}
         requests = {}
         for job in jobs:
-            if job.backoff > 0:
-                job.backoff -= 1
+            k = self.config.draft_k if self.draft_lengths is None else self.draft_lengths.length(job.slot, job)
+            if k <= 0:
                 continue
-            requests[job.slot] = DraftRequest(job, job.prompt + tuple(job.generated), self._draft_limit(job),
-                                              tuple(job.device_drafts))
-        return self.drafter.propose(requests) if requests else {}
+            requests[job.slot] = DraftRequest(job, job.prompt + tuple(job.generated),
+                                              min(k, self._draft_limit(job)), tuple(job.device_drafts))
+        if not requests:
+            return {}
+        proposed = self.drafter.propose(requests)
+        return {slot: list(d)[: max(requests[slot].limit, 0)] for slot, d in proposed.items() if slot in requests}
 
     def _draft_limit(self, job: Job) -> int:
         """Drafts that can still be emitted: the verify window also emits one token of the target's own."""
@@ -360,7 +367,10 @@ class Scheduler:
         tokens = self.executor.prefill(jobs, limit)
         for job in jobs:
             token = tokens[job.slot]
-            if job.pos % self.config.snapshot_every == 0 or job.pos in job.snapshot_at:
+            # The end of a long prompt too: an agent's next turn re-sends it (its answer re-rendered by the chat
+            # template rarely matches the tokens generated, so the end-of-turn snapshot seldom serves it).
+            prompt_end = token is not None and job.pos >= self.config.snapshot_every
+            if job.pos % self.config.snapshot_every == 0 or job.pos in job.snapshot_at or prompt_end:
                 self._snapshot(job, job.fill[: job.pos])
             if token is not None and job.refilling:  # a refill after lost state: its next token is known already
                 job.refilling = False
@@ -406,11 +416,8 @@ class Scheduler:
             proposed, a = drafts.get(job.slot, []), len(emitted[job.slot]) - 1
             job.drafted += len(proposed)
             job.accepted += a
-            if self.config.adaptive_draft and proposed:
-                # Drafts that keep missing cost a wider step for nothing: pause them for a while, then retry.
-                job.misses = 0 if a else job.misses + 1
-                if job.misses >= 3:
-                    job.misses, job.backoff = 0, 8
+            if self.draft_lengths is not None:
+                self.draft_lengths.update(job.slot, len(proposed), a)
             self.counters["drafted"] += len(proposed)
             self.counters["accepted"] += a
             self._accept(job, emitted[job.slot])

@@ -15,7 +15,7 @@ from strata_jax.host.cpu_quota import cpu_budget
 if TYPE_CHECKING:
     from strata_jax.host.tier import HostTier
 
-KERNELS = ("xla", "numpy")
+KERNELS = ("numba", "xla", "numpy")
 
 
 def check_kernel(kernel: str) -> None:
@@ -24,11 +24,21 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"host kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
 
 
+def default_kernel() -> str:
+    """The host kernel to use when none is asked for: "numba" where numba imports (`strata_jax.host.experts_numba`:
+    1.3-2.2x less CPU per layer than "xla" on the dev machine, docs/PERF.md), else "xla". Imports numba (once) to
+    find out."""
+    from strata_jax.host.experts_numba import numba_available
+
+    return "numba" if numba_available() else "xla"
+
+
 class HostPool:
     """Threads, kernel and busy counters shared by one model's host tiers.
 
-    kernel: "xla" (compiled by XLA:CPU, the default) or "numpy" (the reference), for tiers created afterwards;
-    `use_kernel` switches the existing ones too. workers: threads (None: from the CPU quota granted,
+    kernel: "xla" (compiled by XLA:CPU, the default), "numba" (compiled by numba: one parallel call per layer on
+    `workers` threads; `default_kernel` picks it where numba imports) or "numpy" (the reference), for tiers created
+    afterwards; `use_kernel` switches the existing ones too. workers: threads (None: from the CPU quota granted,
     `strata_jax.host.cpu_quota.cpu_budget`, read when first needed). The threads start on first use (`executor`)."""
 
     def __init__(self, kernel: str = "xla", workers: int | None = None):

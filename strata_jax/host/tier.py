@@ -1,6 +1,7 @@
 """One MoE layer's host tier: the packed bytes of all its experts in host memory, and the callback that computes
 the pairs routed to experts outside the device pool on its model's `HostPool`, compiled by XLA:CPU
-(`strata_jax.host.experts_xla`, the default) or in numpy (`strata_jax.host.experts_numpy`, its reference).
+(`strata_jax.host.experts_xla`, the default), by numba (`strata_jax.host.experts_numba`, one parallel call per
+layer) or in numpy (`strata_jax.host.experts_numpy`, their reference).
 Implements the model's `strata_jax.model.moe.HostExperts`."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 
 from pallas_kernels.onebit_format import PackedExperts, bytes_to_words, words_to_bytes
+from strata_jax.host.experts_numba import NumbaStack, host_experts_numba, numba_available
 from strata_jax.host.experts_numpy import NumpyStack, host_experts
 from strata_jax.host.experts_xla import XlaStack, host_experts_xla
 from strata_jax.host.pool import HostPool, check_kernel
@@ -40,8 +42,11 @@ class HostTier:
         self.group = group
         self.pool = pool
         self.kernel = pool.kernel
+        if self.kernel == "numba" and not numba_available():
+            warnings.warn("numba does not import: host experts fall back to the xla kernel", stacklevel=2)
+            self.kernel = "xla"
         self._arrays: dict[str, np.ndarray | jax.Array] = {}
-        self._stack: NumpyStack | XlaStack | None = None
+        self._stack: NumpyStack | XlaStack | NumbaStack | None = None
         pool.add(self)
 
     def set(self, name: str, array: np.ndarray) -> None:
@@ -63,10 +68,12 @@ class HostTier:
         return bytes_to_words(view) if name.endswith("_bits") else view
 
     def use_kernel(self, kernel: str) -> None:
-        """Switches this layer's implementation ("xla" or "numpy") without reloading (benchmarks)."""
+        """Switches this layer's implementation ("numba", "xla" or "numpy") without reloading (benchmarks)."""
         check_kernel(kernel)
         if kernel == "xla" and _cpu_device() is None:
             raise RuntimeError("the xla host kernel needs XLA's CPU backend (JAX_PLATFORMS without cpu)")
+        if kernel == "numba" and not numba_available():
+            raise RuntimeError("the numba host kernel needs numba (pip install numba)")
         self.kernel = kernel
         self._stack = None
 
@@ -79,7 +86,7 @@ class HostTier:
                              "bytes")
 
     @property
-    def stack(self) -> NumpyStack | XlaStack:
+    def stack(self) -> NumpyStack | XlaStack | NumbaStack:
         """The layer's experts for the current kernel (built on first use after a change)."""
         if self._stack is None:
             if not self.loaded:
@@ -88,6 +95,8 @@ class HostTier:
             if self.kernel == "xla":
                 cpu = _cpu_device()
                 self._stack = XlaStack(*(self._packed(k, lambda a: jax.device_put(a, cpu)) for k in _PROJECTIONS))
+            elif self.kernel == "numba":
+                self._stack = NumbaStack(*(self._packed(k, np.asarray) for k in _PROJECTIONS))
             else:
                 self._stack = NumpyStack(*(self._packed(k, np.asarray) for k in _PROJECTIONS))
         return self._stack
@@ -97,12 +106,16 @@ class HostTier:
         tier that holds nothing (its layer streams its experts instead) has nothing to compile."""
         if self.loaded and isinstance(self.stack, XlaStack):
             self.stack.warm_up(max_rows)
+        elif self.loaded and isinstance(self.stack, NumbaStack):
+            self.stack.warm_up(max_rows, threads=self.pool.workers)
 
     def compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The callback: sum over mask[t, j] of weights[t, j] * expert_ids[t, j](x[t]) -> [T, H] float32."""
-        run = host_experts_xla if self.kernel == "xla" else host_experts
         started = time.perf_counter()
-        out = run(self.stack, np.asarray(x, np.float32), np.asarray(ids), np.asarray(weights),
-                  np.asarray(mask, bool), self.pool.executor)
+        args = (self.stack, np.asarray(x, np.float32), np.asarray(ids), np.asarray(weights), np.asarray(mask, bool))
+        if self.kernel == "numba":  # numba runs its own threads, as many as the pool has workers
+            out = host_experts_numba(*args, threads=self.pool.workers)
+        else:
+            out = (host_experts_xla if self.kernel == "xla" else host_experts)(*args, self.pool.executor)
         self.pool.record(time.perf_counter() - started)
         return out

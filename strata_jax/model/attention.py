@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.decode_attention import MAX_TOKENS, decode_attention, quantize_kv
+from pallas_kernels.flash_prefill import attend_prefill
 from pallas_kernels.prefill_attention import dense_mask, prefill_attention
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import AttentionCache
@@ -30,6 +31,14 @@ def _write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Arr
 
 
 SELECT_BLOCKS = 1024  # QSA blocks scored per loop step of a prefill chunk's top-k selection
+
+
+def reads_filled_part() -> bool:
+    """Whether decode and verify (T <= MAX_TOKENS) use the loops whose trip count follows the filled part of the
+    cache (`_top_blocks_filled`, `prefill_attention`) rather than the dense forms over all S positions: everywhere
+    but on a GPU, where the decode kernel already stops at the filled part and the dense block scoring is one
+    batched matmul (a loop there would add a launch per step)."""
+    return jax.default_backend() != "gpu"
 
 
 def _block_scores(q: jax.Array, block_keys: jax.Array) -> jax.Array:
@@ -142,7 +151,7 @@ class QSAIndexer(nnx.Module):
         top = cfg.indexer_budget // c
         if n_blocks <= top:
             chosen = complete
-        elif t > MAX_TOKENS:
+        elif t > MAX_TOKENS or reads_filled_part():
             # The selection has no gradient; stopping it keeps the loop (no transpose) out of reverse mode.
             chosen = _top_blocks_filled(jax.lax.stop_gradient(q), jax.lax.stop_gradient(keys), n_complete, top)
         else:
@@ -204,8 +213,18 @@ class Attention(nnx.Module):
         c = cfg.indexer_compress_ratio if cfg.qsa else 1
 
         q = q.reshape(bsz, t, kvh, group, d)
-        if t > MAX_TOKENS:
+        if t > MAX_TOKENS and cfg.prefill_attention_impl not in ("auto", "jnp"):
+            # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl). A cache of at most the
+            # budget's blocks has every complete block chosen: plain causal attention, which cuDNN can take.
+            plain = chosen is None or s // c <= cfg.indexer_budget // c
+            out = attend_prefill(q, k_all, v_all, start, chosen=None if plain else chosen, compress_ratio=c,
+                                 impl=cfg.prefill_attention_impl, k_new=k, v_new=v, **scales)
+        elif t > MAX_TOKENS:
             # Prefill: a loop over the filled key blocks, masks built per block (no [B, T, S] array).
+            out = prefill_attention(q, k_all, v_all, start, chosen=chosen, compress_ratio=c, **scales)
+        elif reads_filled_part():
+            # Decode and verify off a GPU: the same blocked loop, up to each slot's last new token. (The dense form
+            # below scores all S positions: at 65,536 it was 118 of a 153 ms demo decode step on the 2-core CPU.)
             out = prefill_attention(q, k_all, v_all, start, chosen=chosen, compress_ratio=c, **scales)
         else:
             # The kernel (on a GPU, for decode and verify) reads each slot's cache only up to its last new token.

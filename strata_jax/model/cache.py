@@ -114,6 +114,26 @@ def map_kv_positions(cache: ModelCache, fn) -> ModelCache:
     return cache
 
 
+def take_rows(tree, rows: jax.Array):
+    """The rows `rows` [P] of every array of `tree` (a cache or part of one: batch-major arrays), stacked in that
+    order (batch dimension P). Dynamic slices: an index past the batch is clipped to its last row."""
+    if rows.shape[0] == 1:
+        return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, rows[0], 1, axis=0), tree)
+    return jax.tree_util.tree_map(
+        lambda x: jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, rows[p], 1, axis=0)
+                                   for p in range(rows.shape[0])], axis=0), tree)
+
+
+def put_rows(tree, rows: jax.Array, sub):
+    """`tree` with rows `rows` [P] replaced by the P rows of `sub` (as `take_rows` took them), written in order:
+    of two equal (or clipped) indices the later row wins. Dynamic update slices, in place in a donated buffer."""
+    for p in range(rows.shape[0]):
+        tree = jax.tree_util.tree_map(
+            lambda x, y, p=p: jax.lax.dynamic_update_slice_in_dim(x, jax.lax.slice_in_dim(y, p, p + 1, axis=0),
+                                                                  rows[p], axis=0), tree, sub)
+    return tree
+
+
 def cache_len_for(cfg: ModelConfig, max_len: int) -> int:
     """Attention cache length: `max_len` rounded up to whole QSA blocks."""
     c = cfg.indexer_compress_ratio if cfg.qsa else 1

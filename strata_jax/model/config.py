@@ -19,6 +19,9 @@ _WRAPPERS = {"qwen4_exp", "qwen3_5_moe"}
 
 LINEAR = "linear_attention"
 ATTENTION = "full_attention"
+# How a prefill chunk's attention runs (pallas_kernels.flash_prefill.PREFILL_IMPLS; kept equal by a test): "auto"
+# (the jnp form until the H200 measures the others faster), "jnp", "pallas" (the flash-style kernel), "cudnn".
+PREFILL_ATTENTION_IMPLS = ("auto", "jnp", "pallas", "cudnn")
 
 
 class ConfigError(ValueError):
@@ -82,6 +85,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
     weight_prefix: str  # "model." or "model.language_model." (multimodal wrapper)
+    # A serving choice, not the checkpoint's: the form of a prefill chunk's attention (`PREFILL_ATTENTION_IMPLS`,
+    # pallas_kernels.flash_prefill.resolve_prefill_impl), set by `load_model(prefill_attention=...)`.
+    prefill_attention_impl: str = "auto"
+
+    def __post_init__(self):
+        if self.prefill_attention_impl not in PREFILL_ATTENTION_IMPLS:
+            raise ConfigError(f"prefill_attention_impl must be one of {', '.join(PREFILL_ATTENTION_IMPLS)}, got "
+                              f"{self.prefill_attention_impl!r}")
 
     @property
     def qsa(self) -> bool:

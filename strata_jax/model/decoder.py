@@ -12,7 +12,7 @@ from flax import nnx, struct
 
 from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.model.attention import Attention
-from strata_jax.model.cache import LayerCache, ModelCache
+from strata_jax.model.cache import LayerCache, ModelCache, put_rows, take_rows
 from strata_jax.model.deltanet import DeltaNetReplay, GatedDeltaNet, replay_deltanet
 from strata_jax.model.hyper import HyperConnection, inject
 from strata_jax.model.layers import MLP, Embedding, Linear, RMSNorm
@@ -150,27 +150,43 @@ class TextModel(nnx.Module):
         n_valid: jax.Array,
         ple_rows: tuple[jax.Array, ...] = (),
         with_replay: bool = False,
+        cache_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelCache] | tuple[jax.Array, ModelCache, tuple[LayerReplay, ...]]:
         """tokens [B, T] (row b's first n_valid[b] are real) -> final hidden [B, T, H] and the advanced cache
-        (+ per-layer replay inputs with `with_replay`, for `rollback`)."""
+        (+ per-layer replay inputs with `with_replay`, for `rollback`).
+
+        `cache_rows` [B]: the cache has more rows than the batch and row b's state is its row cache_rows[b]; the
+        other rows are left as they are (rows are written back in batch order: of two equal rows the later wins).
+        Each layer reads its rows and writes them back before the next layer runs, so a donated cache is updated in
+        place and only one layer's rows are ever copied (a copy of the rows' whole cache first would hold every
+        layer's at once)."""
         cfg = self.cfg
         h = self.embed_tokens(tokens)
         if cfg.hyper_connections:
             h = jnp.tile(h, (1, 1, cfg.hc_count))
-        start = cache.lengths
+        start = cache.lengths if cache_rows is None else take_rows(cache.lengths, cache_rows)
         real = real_tokens(tokens.shape[1], n_valid)
         new_layers, replays = [], []
         for i, layer in enumerate(self.layers):
             rows = ple_rows[cfg.ple_layers.index(i)] if i in cfg.ple_layers else None
+            layer_cache = cache.layers[i]
+            if cache_rows is not None:
+                # The barriers order the copies: this layer's rows are read once the previous layer is done and
+                # written back before the next one starts (XLA would otherwise read every layer's rows first).
+                h, layer_cache = jax.lax.optimization_barrier((h, layer_cache))
+                layer_cache = take_rows(layer_cache, cache_rows)
             with jax.named_scope("linear_layer" if layer.linear else "attention_layer"):
-                h, layer_cache, replay = layer(h, cache.layers[i], start, n_valid, rows, with_replay, real)
+                h, layer_cache, replay = layer(h, layer_cache, start, n_valid, rows, with_replay, real)
+            if cache_rows is not None:
+                h, layer_cache = jax.lax.optimization_barrier((h, put_rows(cache.layers[i], cache_rows, layer_cache)))
             new_layers.append(layer_cache)
             replays.append(replay)
         if cfg.hyper_connections:
             h, _, _ = self.hyper_connection_mixer(h)
         else:
             h = self.norm(h)
-        new_cache = cache.replace(layers=tuple(new_layers), lengths=start + n_valid)
+        lengths = start + n_valid if cache_rows is None else put_rows(cache.lengths, cache_rows, start + n_valid)
+        new_cache = cache.replace(layers=tuple(new_layers), lengths=lengths)
         if with_replay:
             return h, new_cache, tuple(replays)
         return h, new_cache
@@ -280,3 +296,16 @@ class CausalLM(nnx.Module):
             logits, h, cache = self.mtp_forward(drafts[-1][:, None], h, cache, one)
             drafts.append(jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
         return jnp.stack(drafts, axis=1), cache.replace(mtp_lengths=caught_up)
+
+
+def enable_fused_decode(model: nnx.Module) -> int:
+    """Switches `model` to the fused decode kernels (docs/PERF.md, "Fused decode kernels"): for calls of at most 16
+    tokens (decode, verify windows), every MoE block's router (`pallas_kernels.fused_router`) and shared expert (two
+    `pallas_kernels.fused_matvec`s), and every Gated DeltaNet's conv + delta rule (`gated_delta_conv_decode`), run
+    as Pallas kernels on a GPU and as the XLA path elsewhere. Results equal the XLA path up to the order of float32
+    sums. Off by default until the device measures it. Call it before the model is split (the switch is part of
+    the graph). Returns how many modules were switched."""
+    modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, (SparseMoe, GatedDeltaNet))]
+    for module in modules:
+        module.fused_decode = True
+    return len(modules)

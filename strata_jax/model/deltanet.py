@@ -10,7 +10,7 @@ from flax import nnx
 from flax import struct
 
 from pallas_kernels.activations import silu
-from pallas_kernels.delta_rule import gated_delta_decode, split_qkv
+from pallas_kernels.delta_rule import gated_delta_conv_decode, gated_delta_decode, split_qkv
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import DeltaNetCache
 from strata_jax.model.conv import advance_tail, causal_conv
@@ -20,6 +20,28 @@ from strata_jax.model.params import empty_param
 CHUNK = 64
 # Below this many tokens per call the token-by-token recurrence is cheaper than a padded 64-token chunk.
 RECURRENT_MAX_TOKENS = 16
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + A)^-1 for A [..., C, C] strictly lower triangular.
+
+    A is nilpotent (A^C = 0), so the Neumann series I - A + A^2 - ... ends, and it folds into ceil(log2 C)
+    doublings: (I - A)(I + A^2)(I + A^4)...: 2 log2(C) batched matmuls. XLA:CPU's triangular_solve (jaxlib 0.10.2)
+    did the same per-chunk UT systems ~100x slower, over half of a demo prefill chunk on the 2-core CPU
+    (docs/PERF.md, "On the 2-core CPU"); float32 results agree with it to 2e-8 against a float64 recurrence."""
+    c = a.shape[-1]
+    inverse = jnp.eye(c, dtype=a.dtype) - a
+    power, covered = _matmul(a, a), 2  # inverse holds the series' terms below A^covered
+    while covered < c:
+        inverse = inverse + _matmul(inverse, power)
+        covered *= 2
+        if covered < c:
+            power = _matmul(power, power)
+    return inverse
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -43,12 +65,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     diff = cum[..., :, None] - cum[..., None, :]
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    # (I + A) with A strictly lower: the UT system; solve instead of inverting.
+    # (I + A) with A strictly lower: the UT system, applied through its inverse (`unit_lower_inverse`).
     a_mat = jnp.where(strict, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
-    system = a_mat + jnp.eye(chunk, dtype=a_mat.dtype)
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)  # noqa: E731
-    new_values = solve(v_beta)
-    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])
+    inverse = unit_lower_inverse(a_mat)
+    new_values = _matmul(inverse, v_beta)
+    k_cumdecay = _matmul(inverse, k_beta * jnp.exp(cum)[..., None])
     intra = jnp.where(lower, jnp.einsum("...ik,...jk->...ij", q, k) * decay, 0.0)
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
@@ -90,6 +111,10 @@ def replay_deltanet(before: DeltaNetCache, replay: DeltaNetReplay, n_keep: jax.A
 
 class GatedDeltaNet(nnx.Module):
     """Linear-attention token mixer of 3 in 4 layers."""
+
+    # `strata_jax.model.decoder.enable_fused_decode`: calls of at most RECURRENT_MAX_TOKENS tokens run the conv and
+    # the delta rule as one kernel on a GPU (`gated_delta_conv_decode`).
+    fused_decode = False
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
         h = cfg.hidden_size
@@ -138,8 +163,6 @@ class GatedDeltaNet(nnx.Module):
         cfg = self.cfg
         bsz, t, _ = x.shape
         qkv_in, z, b, a = self._project(x)
-        conv_out, conv_state = causal_conv(qkv_in, cache.conv, self.conv1d.kernel(), n_valid)
-        qkv = silu(conv_out.astype(jnp.float32)).astype(x.dtype)
         hk, hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
         valid = (jnp.arange(t)[None, :] < n_valid[:, None])[..., None]
         # Padded tokens get beta = 0 and no decay, so they leave the recurrent state untouched.
@@ -148,11 +171,17 @@ class GatedDeltaNet(nnx.Module):
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         )
         g = jnp.where(valid, g, 0.0)
-        if t <= RECURRENT_MAX_TOKENS:
-            out, state = gated_delta_decode(qkv, g, beta, cache.state, k_heads=hk)
+        if self.fused_decode and t <= RECURRENT_MAX_TOKENS:  # conv, activation and rule: one kernel on a GPU
+            out, qkv, conv_state, state = gated_delta_conv_decode(qkv_in, cache.conv, self.conv1d.kernel(), g, beta,
+                                                                  cache.state, n_valid, k_heads=hk)
         else:
-            q, k, v = split_qkv(qkv, hk, hv, cfg.linear_k_dim, cfg.linear_v_dim)
-            out, state = chunk_gated_delta_rule(q, k, v, g, beta, cache.state)
+            conv_out, conv_state = causal_conv(qkv_in, cache.conv, self.conv1d.kernel(), n_valid)
+            qkv = silu(conv_out.astype(jnp.float32)).astype(x.dtype)
+            if t <= RECURRENT_MAX_TOKENS:
+                out, state = gated_delta_decode(qkv, g, beta, cache.state, k_heads=hk)
+            else:
+                q, k, v = split_qkv(qkv, hk, hv, cfg.linear_k_dim, cfg.linear_v_dim)
+                out, state = chunk_gated_delta_rule(q, k, v, g, beta, cache.state)
         out = self.norm(out.astype(x.dtype), z)
         out = self.out_proj(out.reshape(bsz, t, -1))
         replay = DeltaNetReplay(conv_in=qkv_in, qkv=qkv, g=g, beta=beta, k_heads=hk) if with_replay else None

@@ -17,6 +17,9 @@ from flax import nnx
 
 from pallas_kernels import PackedExperts, moe_experts_1bit
 from pallas_kernels.activations import silu
+from pallas_kernels.fused_router import MAX_TOKENS as FUSED_MAX_TOKENS
+from pallas_kernels.fused_router import fused_route
+from pallas_kernels.fused_matvec import fused_matvec
 from strata_jax.model.config import ExpertQuantization, ModelConfig
 from strata_jax.model.expert_stream import STAT_NAMES, RowLayout, streamed_experts, to_host_memory
 from strata_jax.model.expert_parallel import run_experts
@@ -272,6 +275,10 @@ class Router(nnx.Module):
 
 
 class SparseMoe(nnx.Module):
+    # `strata_jax.model.decoder.enable_fused_decode`: calls of at most FUSED_MAX_TOKENS tokens run the router and
+    # the shared expert through the fused kernels on a GPU.
+    fused_decode = False
+
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, quant: ExpertQuantization | None = None,
                  host_experts: HostExpertsFactory | None = None):
         self.cfg = cfg
@@ -285,8 +292,20 @@ class SparseMoe(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         bias = self.gate.bias[...] if hasattr(self.gate, "bias") else None
-        ids, weights = route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, bias)
+        fused = self.fused_decode and flat.shape[0] <= FUSED_MAX_TOKENS
+        if fused and bias is None:
+            ids, weights = fused_route(flat, self.gate.weight[...], self.cfg.num_experts_per_tok,
+                                       self.cfg.norm_topk_prob)
+        else:
+            ids, weights = route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, bias)
         # A plain call unless the step runs expert parallel over a mesh (strata_jax/model/expert_parallel.py).
         routed = run_experts(self.experts, flat, ids, weights, None if real is None else real.reshape(-1))
+        if fused:  # the shared expert as two kernels: the gated product, then down + its gate + the routed sum
+            mlp = self.shared_expert
+            act = fused_matvec(flat, mlp.gate_proj.weight[...], up=mlp.up_proj.weight[...])
+            out = fused_matvec(act, mlp.down_proj.weight[...], gate=(flat, self.shared_expert_gate.weight[...]),
+                               residual=routed)
+            return out.reshape(shape)
         shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).reshape(shape)
+

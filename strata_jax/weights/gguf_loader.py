@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax.numpy as jnp
 import numpy as np
@@ -239,16 +239,17 @@ class BuiltModel:
 
 def build_from_gguf(path, dtype, quantize: str | None = None, *, planes: int = 1, group: int = 128,
                     gpu_experts: int | None = None, host_experts=None, quant_options: dict | None = None,
-                    verbose: bool = True) -> BuiltModel:
+                    verbose: bool = True, prefill_attention: str = "auto") -> BuiltModel:
     """Reads a GGUF (or split set) into a filled model without MTP, its PLE table and hashers, its tokenizer, and the
-    report; prints the report's lines on stderr (`verbose`)."""
+    report; prints the report's lines on stderr (`verbose`). ``prefill_attention``: the config's
+    ``prefill_attention_impl``."""
     from strata_jax.model.decoder import CausalLM
     from strata_jax.weights.gguf_tokenizer import tokenizer_from_gguf
 
     if quantize not in (None, "1bit"):
         raise ValueError(f"quantize must be None or '1bit', got {quantize!r}")
     g = GGUFFile(path)
-    cfg = config_from_gguf(g)
+    cfg = replace(config_from_gguf(g), prefill_attention_impl=prefill_attention)
     quant = plan_experts(g, cfg, quantize, planes, group, gpu_experts, **(quant_options or {}))
     model = nnx.eval_shape(lambda: CausalLM(cfg, dtype, with_mtp=False, quant=quant, host_experts=host_experts))
     report = fill_params_from_gguf(model, cfg, g, dtype)

@@ -32,6 +32,18 @@ def test_step_mode_runs_with_prefolded_hyper_connections(tmp_path, capsys):
     assert decode["slots"] == 2 and decode["device_ms"] > 0 and decode["bytes"]["dense"] > 0
 
 
+def test_step_mode_runs_with_fused_decode(tmp_path, capsys):
+    """--fused-decode switches every MoE block and DeltaNet (on the CPU the switch takes the XLA path: the wiring
+    is tested here, the kernels in tests/kernels/test_fused_*.py)."""
+    out = tmp_path / "step.json"
+    assert main(["--mode", "step", "--preset", "tiny", "--slots", "1", "--ctx", "64", "--fill", "32", "--steps", "1",
+                 "--verify-slots", "", "--fused-decode", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    switched = re.search(r"fused decode kernels \(.*\): (\d+) modules", capsys.readouterr().out)
+    assert switched and int(switched[1]) > 0
+    decode = next(r for r in json.loads(out.read_text())["rows"] if r["kind"] == "decode")
+    assert decode["kernels"] > 0 and decode["device_ms"] > 0
+
+
 def test_deltanet_mode_runs(tmp_path):
     out = tmp_path / "deltanet.json"
     assert main(["--mode", "deltanet", "--preset", "tiny", "--slots", "2", "--deltanet-tokens", "1,3",
@@ -199,6 +211,30 @@ def test_attention_mode_rejects_bad_variants():
     with pytest.raises(SystemExit, match="block_k"):
         main(["--mode", "attention", "--preset", "tiny", "--slots", "1", "--ctx", "96", "--fill", "40",
               "--attn-variants", "jnp,s4_k64_w4"])
+
+
+def test_attention_mode_prefill_forms_agree(tmp_path):
+    """Prefill attention rows: every form (the kernel in interpret mode, cuDNN's through XLA on the CPU) computes
+    what the jnp form does, timed against the causal matmul floor; --attn-qsa leaves cuDNN out."""
+    from strata_jax.bench.attention import prefill_attention_flops
+    from strata_jax.bench.synthetic import preset_config
+
+    out = tmp_path / "prefill_attention.json"
+    common = ["--mode", "attention", "--preset", "tiny", "--slots", "1", "--attn-prefill-fills", "40",
+              "--attn-chunks", "20", "--attn-iters", "1", "--steps", "1", "--json", str(out)]
+    assert main([*common, "--attn-prefill-variants", "jnp,pallas,cudnn,m16_k16_w4_s2"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["jnp", "pallas", "cudnn", "m16_k16_w4_s2"]
+    cfg = preset_config("tiny")
+    flops = prefill_attention_flops(1, 40, 20, cfg.num_heads, cfg.head_dim)
+    assert flops == 4 * cfg.head_dim * cfg.num_heads * sum(40 + t + 1 for t in range(20))
+    assert all(r["us_per_call"] > 0 and r["floor_us"] > 0 and r["max_rel_diff"] < 2e-2 for r in rows)
+    assert main([*common, "--attn-qsa", "--attn-prefill-variants", "jnp,pallas,cudnn"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["qsa"]) for r in rows] == [("jnp", True), ("pallas", True)]
+    assert rows[1]["max_rel_diff"] < 2e-2
+    with pytest.raises(SystemExit, match="power of two"):
+        main([*common, "--attn-prefill-variants", "jnp,m48_k16_w4_s2"])
 
 
 def test_prefill_mode_times_each_length_against_the_compute_floor(tmp_path):

@@ -65,6 +65,12 @@ def test_prefix_cache_hit_is_exact(engine, model):
     events2 = asyncio.run(_collect(engine, follow))
     assert events2[0].cached_tokens == len(second) + len(answer) - 1
     assert _tokens(events2) == model.generate(list(follow), 8, stop_at_eos=False)
+    # A turn that re-sends the prompt with another answer (as a chat template re-renders it) resumes at the end of
+    # the prompt, past the last 32-token boundary: the snapshot taken when its prefill ended.
+    other = second + _prompt(104, 6)
+    events3 = asyncio.run(_collect(engine, other))
+    assert events3[0].cached_tokens == len(second)
+    assert _tokens(events3) == model.generate(list(other), 8, stop_at_eos=False)
 
 
 def test_cancellation_frees_the_slot(engine, model):

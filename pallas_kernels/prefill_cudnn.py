@@ -1,0 +1,72 @@
+"""Prefill attention through `jax.nn.dot_product_attention` (cuDNN's fused flash attention on a GPU), a candidate
+beside the Pallas kernel (`pallas_kernels.flash_prefill`) and the jnp form (`pallas_kernels.prefill_attention`).
+
+cuDNN's causal mask, as JAX exposes it, is aligned top-left (query i sees keys j <= i), so a chunk at ``start`` over
+a cache holding ``start`` earlier positions cannot be one call without a dense [T, S] mask. It is two calls merged
+by their log-sum-exp (`return_residual`):
+
+* the chunk over the cache's prefix (positions below ``start``: ``key_value_seq_lengths = start``, no causal mask),
+  the cache transposed to cuDNN's [B, S, Hk, D] layout (a copy of the cache per call; small beside the work at
+  agent-sized prefixes);
+* the chunk over its own keys and values (the ones just written, [B, T, Hk, D] as computed: no transpose), causal,
+  ``key_value_seq_lengths = n_valid``.
+
+A part with no key (an empty prefix, a slot with no real token) gets weight 0. What it cannot take: the QSA
+per-token block selection (a dense mask would be [T, S] per slot) and quantized caches (cuDNN's fp8 attention wants
+its own scaling); callers fall back to the other forms there (`pallas_kernels.flash_prefill.attend_prefill`).
+cuDNN needs bf16 or fp16 operands on a GPU; elsewhere (CPU tests, float32) JAX's XLA implementation runs the same two
+calls (dense scores: for tests, not for long contexts).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def cudnn_applies(dtype, chosen: jax.Array | None, quantized: bool) -> bool:
+    """Whether `cudnn_prefill` would run cuDNN's kernel: bf16 / fp16 operands on a GPU, no QSA selection, a float
+    cache."""
+    return (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and chosen is None and not quantized)
+
+
+def cudnn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_valid: jax.Array | None,
+                  k_new: jax.Array, v_new: jax.Array) -> jax.Array:
+    """Causal attention of a chunk (no QSA selection, float cache) as `prefill_attention` computes it, through
+    `jax.nn.dot_product_attention`: q [B, T, Hk, G, D] at positions ``start[b] + t``; k, v [B, Hk, S, D] the cache
+    (only positions below ``start`` are read from it); k_new, v_new [B, T, Hk, D] the chunk's own keys and values
+    (the ones written at ``start`` on); ``n_valid`` [B] (default T): real tokens, later ones are not attended to.
+    Returns [B, T, Hk, G, D] in q's dtype; a token that sees no position gets zeros.
+
+    ``implementation="cudnn"`` for bf16 / fp16 on a GPU, JAX's default (XLA) otherwise."""
+    bsz, t, kv_heads, group, d = q.shape
+    if k.shape[:2] != (bsz, kv_heads) or k.shape[3] != d or v.shape != k.shape:
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k_new.shape != (bsz, t, kv_heads, d) or v_new.shape != k_new.shape:
+        raise ValueError(f"k_new and v_new must be [B, T, Hk, D] = {(bsz, t, kv_heads, d)}, got {k_new.shape}, "
+                         f"{v_new.shape}")
+    dtype = q.dtype
+    impl = "cudnn" if cudnn_applies(dtype, None, False) else None
+    start = start.astype(jnp.int32)
+    n = jnp.full((bsz,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    qn = q.reshape(bsz, t, kv_heads * group, d)  # head n = kv head n // G, as both conventions have it
+    prefix_k = jnp.transpose(k, (0, 2, 1, 3)).astype(dtype)
+    prefix_v = jnp.transpose(v, (0, 2, 1, 3)).astype(dtype)
+    o1, lse1 = jax.nn.dot_product_attention(qn, prefix_k, prefix_v, key_value_seq_lengths=start, implementation=impl,
+                                            return_residual=True)
+    # The chunk's keys and values as the cache stores them (a bf16 cache under float32 activations rounds them).
+    own_k, own_v = k_new.astype(k.dtype).astype(dtype), v_new.astype(v.dtype).astype(dtype)
+    o2, lse2 = jax.nn.dot_product_attention(qn, own_k, own_v, is_causal=True,
+                                            key_value_seq_lengths=n, implementation=impl, return_residual=True)
+    has1 = (start > 0)[:, None, None]  # [B, 1, 1]: the prefix part saw a key
+    has2 = (n > 0)[:, None, None]
+    lse1, lse2 = lse1.astype(jnp.float32), lse2.astype(jnp.float32)
+    top = jnp.maximum(jnp.where(has1, lse1, -jnp.inf), jnp.where(has2, lse2, -jnp.inf))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w1 = jnp.where(has1, jnp.exp(lse1 - top), 0.0)[..., None]  # [B, T, N, 1]
+    w2 = jnp.where(has2, jnp.exp(lse2 - top), 0.0)[..., None]
+    total = w1 + w2
+    out = (jnp.where(w1 > 0, o1.astype(jnp.float32), 0.0) * w1 + jnp.where(w2 > 0, o2.astype(jnp.float32), 0.0) * w2)
+    out = out / jnp.where(total > 0, total, 1.0)
+    return out.reshape(bsz, t, kv_heads, group, d).astype(dtype)
