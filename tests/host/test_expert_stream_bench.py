@@ -10,6 +10,7 @@ from strata_jax.bench.synthetic import preset_config
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.planner import make_plan, stream_plan
 from strata_jax.model.config import ExpertQuantization
+from strata_jax.model.expert_stream import stream_copy_slots
 
 
 def _plan(mib: int, slots: int = 8):
@@ -30,7 +31,8 @@ def test_stream_plan_chooses_per_device_and_says_why():
     layer = plan.expert_bytes * plan.moe_layers
     assert taken >= 1 and (taken - 1) * layer < gpu.staging_bytes - spare <= taken * layer
     assert gpu.prefill_copy_slots == plan.num_experts - gpu.gpu_experts  # a chunk stages all outside the pool
-    assert 1 <= gpu.copy_slots <= engine.slots * plan.top_k
+    # Decode stages the distinct experts its slots' pairs are expected to miss, for the pool left beside the staging.
+    assert gpu.copy_slots == stream_copy_slots(engine.slots, plan.top_k, plan.num_experts, gpu.gpu_experts)
     assert gpu.pinned_host_bytes == plan.all_expert_bytes
     cpu = stream_plan(plan, engine, "cpu")
     assert cpu.host_path == "compute" and cpu.gpu_experts == plan.gpu_experts and "cpu backend" in cpu.reason
