@@ -80,7 +80,7 @@ from strata_jax.bench.synthetic import (
     synthetic_ple_tables,
 )
 from strata_jax.bench.oracle import parse_oracle
-from strata_jax.bench.step_inputs import StepInputs, mtp_bytes, mtp_draft_step
+from strata_jax.bench.step_inputs import STEP_EXTRAS, StepInputs, mtp_bytes, mtp_draft_step
 
 
 def _time_step(fn, state, cache, ins, steps: int, next_ins=None) -> tuple[float, float, object]:
@@ -153,28 +153,30 @@ def run_step_bench(args) -> list[dict]:
     weights = flat_weights(state) if flat else state
     window = args.draft_k + 1
 
-    def inputs(kind, s, ple_tables=()):
-        return StepInputs(cfg, kind, s, window, jnp.bfloat16, ple_tables)
+    def inputs(kind, s, ple_tables=(), extras="off"):
+        return StepInputs(cfg, kind, s, window, jnp.bfloat16, ple_tables, extras)
 
     def compile_one(job):
-        kind, s, kv = job
+        kind, s, kv, extras = job
         cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv),
                                                     with_mtp=bool(mtp_k)))
         t0 = time.monotonic()
         fn = steps[kind]
-        compiled = fn.lower(weights, cache, *inputs(kind, s).first()).compile()
-        print(f"compiled {kind}[{s}]{_kv_label(kv)} in {time.monotonic() - t0:.0f}s", flush=True)
+        compiled = fn.lower(weights, cache, *inputs(kind, s, extras=extras).first()).compile()
+        print(f"compiled {kind}[{s}]{_kv_label(kv)}{_extras_label(extras)} in {time.monotonic() - t0:.0f}s",
+              flush=True)
         return job, compiled, time.monotonic() - t0
 
-    # One row per (step, slots) and KV cache dtype (--cache-dtype bf16,int8,fp8).
-    jobs = [(kind, s, kv) for kv in args.cache_dtypes
+    # One row per (step, slots), KV cache dtype (--cache-dtype bf16,int8,fp8) and mask/log-probability inputs
+    # (--step-extras; the MTP call takes none).
+    jobs = [(kind, s, kv, extras) for kv in args.cache_dtypes for extras in args.step_extras
             for kind, s in [("decode", s) for s in args.slots] + [("verify", s) for s in args.verify_slots]
-            + [("mtp", s) for s in (args.slots if mtp_k else ())]]
+            + [("mtp", s) for s in (args.slots if mtp_k and extras == args.step_extras[0] else ())]]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         compiled = {job: (c, dt) for job, c, dt in pool.map(compile_one, jobs)}
     rows, decode_ms = [], {}
-    for kind, s, kv in jobs:
-        fn, compile_s = compiled[(kind, s, kv)]
+    for kind, s, kv, extras in jobs:
+        fn, compile_s = compiled[(kind, s, kv, extras)]
         hlo = fn.as_text()
         ops = kernel_ops(hlo)
         kernels = sum(ops.values())
@@ -183,7 +185,7 @@ def run_step_bench(args) -> list[dict]:
             with open(os.path.join(args.dump_hlo, f"{kind}_{s}.hlo.txt"), "w") as f:
                 f.write(hlo)
         cache = random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv), with_mtp=bool(mtp_k))
-        feed = inputs(kind, s, tables)  # with PLE, the host loop gathers each step's rows from the table
+        feed = inputs(kind, s, tables, extras)  # with PLE, the host loop gathers each step's rows from the table
         device_ms, loop_ms, cache = _time_step(fn, weights, cache, feed.first(), args.steps,
                                                feed.build if feed.ple is not None and kind != "mtp" else None)
         if args.profile:  # a few more steps under the profiler, as a Perfetto trace (kernel names = HLO fusions)
@@ -204,7 +206,7 @@ def run_step_bench(args) -> list[dict]:
         launch_ms = kernels * LAUNCH_US / 1e3
         floor_ms = max(mem_ms, launch_ms)
         row = {
-            "kind": kind, "slots": s, "cache_dtype": kv or "bfloat16", "tokens_per_slot": per_slot,
+            "kind": kind, "slots": s, "cache_dtype": kv or "bfloat16", "extras": extras, "tokens_per_slot": per_slot,
             "device_ms": device_ms, "loop_ms": loop_ms,
             "tok_s": s / loop_ms * 1e3, "bytes_gb": total / 1e9, "bytes": parts, "mem_floor_ms": mem_ms,
             "kernels": kernels, "kernels_by_op": ops, "launch_floor_ms": launch_ms, "floor_ms": floor_ms,
@@ -213,19 +215,22 @@ def run_step_bench(args) -> list[dict]:
             # host PLE work per step in the host loop (hash + gather; median ms), None without PLE
             "ple_host_ms": statistics.median(feed.host_ms) if feed.host_ms else None,
         }
+        base = (s, kv, args.step_extras[0])  # ratios against the first --step-extras' decode row
         if kind == "decode":
-            decode_ms[(s, kv)] = loop_ms
-        elif kind == "mtp" and (s, kv) in decode_ms:
-            row["mtp_over_decode"] = loop_ms / decode_ms[(s, kv)]
-        elif (s, kv) in decode_ms:
-            row["verify_over_decode"] = loop_ms / decode_ms[(s, kv)]
+            decode_ms.setdefault(base, loop_ms)
+            if extras != args.step_extras[0] and base in decode_ms:
+                row["over_first_extras"] = loop_ms / decode_ms[base]
+        elif kind == "mtp" and base in decode_ms:
+            row["mtp_over_decode"] = loop_ms / decode_ms[base]
+        elif base in decode_ms:
+            row["verify_over_decode"] = loop_ms / decode_ms[base]
             row["tok_s_at_acceptance"] = {
                 str(a): s * expected_tokens(a, args.draft_k) / loop_ms * 1e3 for a in (0.5, 0.75, 0.9)
             }
         rows.append(row)
         ple_note = f", PLE gather {row['ple_host_ms']:.2f} ms on the host" if row["ple_host_ms"] is not None else ""
-        print(f"{kind}[{s}]{_kv_label(kv)}: {device_ms:.2f} ms/call device, {loop_ms:.2f} ms with host sync, "
-              f"{kernels} kernels{ple_note}", flush=True)
+        print(f"{kind}[{s}]{_kv_label(kv)}{_extras_label(extras)}: {device_ms:.2f} ms/call device, "
+              f"{loop_ms:.2f} ms with host sync, {kernels} kernels{ple_note}", flush=True)
         if args.json:
             _write_json(args.json, [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows])
     return [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows]
@@ -233,6 +238,10 @@ def run_step_bench(args) -> list[dict]:
 
 def _kv_label(kv: str | None) -> str:
     return f" ({kv} KV)" if kv else ""
+
+
+def _extras_label(extras: str) -> str:
+    return "" if extras == "off" else f" (extras {extras})"
 
 
 def _cache_dtypes(kv: str | None) -> tuple:
@@ -309,7 +318,8 @@ def run_load_times(args) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print("\n| step | slots | KV | ms (device) | ms (+host sync) | tok/s | GB read | mem floor ms | kernels "
-          "| launch floor ms | floor / time | verify / decode | tok/s at 50/75/90% acceptance | PLE host ms |")
+          "| launch floor ms | floor / time | verify (or extras) / decode "
+          "| tok/s at 50/75/90% acceptance | PLE host ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['verify_over_decode']:.2f}x" if "verify_over_decode" in r else "-"
@@ -320,7 +330,10 @@ def print_table(rows: list[dict]) -> None:
             name += f"+mtp[{r['mtp_k']}]"
         if r.get("ple"):
             name += " +PLE" if r["kind"] != "mtp" else ""
+        if r.get("extras", "off") != "off":
+            name += f" (extras {r['extras']})"
         ratio = f"{r['mtp_over_decode']:.2f}x" if "mtp_over_decode" in r else ratio
+        ratio = f"{r['over_first_extras']:.3f}x" if "over_first_extras" in r else ratio
         kv = r.get("cache_dtype", "bfloat16")
         print(f"| {name} | {r['slots']} | {kv} | {r['device_ms']:.2f} | {r['loop_ms']:.2f} | {r['tok_s']:.0f} "
               f"| {r['bytes_gb']:.2f} | {r['mem_floor_ms']:.2f} | {r['kernels']} | {r['launch_floor_ms']:.2f} "
@@ -419,6 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
     step = p.add_argument_group("step mode")
     step.add_argument("--verify-slots", default="1,4,8",
                       help="slot counts for which a verify call of draft-k+1 tokens is timed too ('' = none)")
+    step.add_argument("--step-extras", default="off", metavar="E[,E...]",
+                      help="grammar-mask and log-probability inputs of each decode/verify row: off (none, the step "
+                           "before constrained decoding), idle (present, nothing constrained: what the engine runs "
+                           "for unconstrained slots), mask (slot 0 constrained), logprobs (slot 0 asks), both; a "
+                           "comma list gives one row per value, ratios against the first")
     step.add_argument("--state-args", choices=["leaves", "pytree"], default="leaves",
                       help="pass the weights as a flat list of arrays (as the engine does) or as the nnx.State "
                            "pytree (to measure what flattening it on every call costs)")
@@ -478,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.cache_dtypes) > 1 and args.mode != "step":
         p.error("--cache-dtype takes a list in step mode only")
     args.cache_dtype = args.cache_dtypes[0]
+    args.step_extras = [e for e in args.step_extras.split(",") if e]
+    if not args.step_extras or set(args.step_extras) - set(STEP_EXTRAS):
+        p.error(f"--step-extras: a comma list of {', '.join(STEP_EXTRAS)}")
     args.users = [int(u) for u in args.users.split(",")]
     if args.mode == "prefill":  # TTFT by prompt length against the compute floor (strata_jax/bench/prefill.py)
         args.users, args.prompt_tokens, args.gen_tokens = [1], max(args.prompt_lengths), 1

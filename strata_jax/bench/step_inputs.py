@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.bench.synthetic import SyntheticPle
+from strata_jax.engine.constraints import mask_words
 from strata_jax.engine.steps import decode_args, greedy_sampling, verify_args
 from strata_jax.model.config import ModelConfig
 
@@ -30,13 +31,35 @@ def mtp_draft_step(mtp_k, graphdef, state, cache, hidden, tokens, n_valid):
     return drafts, cache
 
 
+STEP_EXTRAS = ("off", "idle", "mask", "logprobs", "both")
+
+
+def step_extras(cfg: ModelConfig, slots: int, window: int | None, extras: str) -> dict:
+    """The optional grammar-mask and log-probability inputs of a decode (`window` None) or verify call, as
+    `decode_args` / `verify_args` take them: "off" none (the step before constrained decoding existed), "idle"
+    both present and doing nothing (what the engine passes when no slot is constrained or asked), "mask" slot 0
+    constrained to half the vocabulary, "logprobs" slot 0 asking, "both"."""
+    if extras == "off":
+        return {}
+    shape = (slots,) if window is None else (slots, window)
+    mask = np.full(shape + (mask_words(cfg.vocab_size),), -1, np.int32)
+    if extras in ("mask", "both"):
+        mask[0] = np.random.default_rng(0).integers(-(2**31), 2**31, mask[0].shape, dtype=np.int64).astype(np.int32)
+    wanted = np.zeros(slots, bool)
+    wanted[0] = extras in ("logprobs", "both")
+    return {"mask": mask, "logprobs": wanted}
+
+
 class StepInputs:
     """Inputs of the benchmark's decode ("decode"), verify ("verify", windows of `window` tokens) and MTP draft
     ("mtp") calls for `slots` slots. `ple`: host PLE tables (a model with PLE layers): rows gathered for every
-    input built; `host_ms` collects the seconds each gather took (ms)."""
+    input built; `host_ms` collects the seconds each gather took (ms). `extras`: the grammar-mask and
+    log-probability inputs (`step_extras`)."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, slots: int, window: int, dtype, ple_tables=()):
+    def __init__(self, cfg: ModelConfig, kind: str, slots: int, window: int, dtype, ple_tables=(),
+                 extras: str = "off"):
         self.cfg, self.kind, self.slots, self.window, self.dtype = cfg, kind, slots, window, dtype
+        self.extras = {} if kind == "mtp" else step_extras(cfg, slots, None if kind == "decode" else window, extras)
         self.ple = SyntheticPle(cfg, list(ple_tables), slots) if cfg.ple_layers else None
         self.rng = np.random.default_rng(slots)
         self.host_ms: list[float] = []
@@ -60,8 +83,8 @@ class StepInputs:
             window = np.concatenate([tokens, drafts], axis=1)
         rows = self._rows(window)
         if self.kind == "decode":
-            return decode_args(window[:, 0], np.ones(s, bool), greedy_sampling(s), rows, self.dtype)
-        return verify_args(window, np.full((s,), self.window), greedy_sampling(s), rows, self.dtype)
+            return decode_args(window[:, 0], np.ones(s, bool), greedy_sampling(s), rows, self.dtype, **self.extras)
+        return verify_args(window, np.full((s,), self.window), greedy_sampling(s), rows, self.dtype, **self.extras)
 
     def _rows(self, tokens: np.ndarray) -> tuple[np.ndarray, ...]:
         if self.ple is None:

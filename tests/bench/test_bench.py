@@ -44,6 +44,44 @@ def test_step_mode_runs_with_fused_decode(tmp_path, capsys):
     assert decode["kernels"] > 0 and decode["device_ms"] > 0
 
 
+def test_step_extras_build_the_engines_mask_and_logprob_inputs():
+    """--step-extras: "off" passes nothing, "idle" masks that allow every token and no log-probabilities (what the
+    engine passes for unconstrained slots), "mask" / "both" constrain slot 0 alone, "logprobs" / "both" ask for slot
+    0's log-probabilities; verify masks have one row per window position."""
+    import numpy as np
+
+    from strata_jax.bench.step_inputs import step_extras
+    from strata_jax.bench.synthetic import preset_config
+    from strata_jax.engine.constraints import mask_words
+
+    cfg = preset_config("tiny")
+    words = mask_words(cfg.vocab_size)
+    assert step_extras(cfg, 3, None, "off") == {}
+    idle = step_extras(cfg, 3, None, "idle")
+    assert idle["mask"].shape == (3, words) and (idle["mask"] == -1).all() and not idle["logprobs"].any()
+    both = step_extras(cfg, 3, 5, "both")
+    assert both["mask"].shape == (3, 5, words) and (both["mask"][1:] == -1).all()
+    bits = np.unpackbits(both["mask"][0].view(np.uint8))
+    assert 0.4 < bits.mean() < 0.6  # slot 0 allows about half the vocabulary
+    assert both["logprobs"].tolist() == [True, False, False]
+    mask_only = step_extras(cfg, 2, None, "mask")
+    assert (mask_only["mask"][0] != -1).any() and not mask_only["logprobs"].any()
+    assert step_extras(cfg, 2, None, "logprobs")["logprobs"].tolist() == [True, False]
+
+
+def test_step_mode_times_each_extras_variant(tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["--mode", "step", "--preset", "tiny", "--slots", "1", "--ctx", "64", "--fill", "32", "--steps", "1",
+                 "--verify-slots", "1", "--step-extras", "idle,both", "--bandwidth-gib", "0.01",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r["extras"]) for r in rows] == [("decode", "idle"), ("verify", "idle"), ("decode", "both"),
+                                                        ("verify", "both")]
+    assert rows[2]["over_first_extras"] > 0 and "verify_over_decode" in rows[3]
+    with pytest.raises(SystemExit):
+        main(["--mode", "step", "--preset", "tiny", "--step-extras", "grammar"])
+
+
 def test_deltanet_mode_runs(tmp_path):
     out = tmp_path / "deltanet.json"
     assert main(["--mode", "deltanet", "--preset", "tiny", "--slots", "2", "--deltanet-tokens", "1,3",

@@ -100,16 +100,29 @@ def test_lowers_to_two_triton_kernels_without_a_gpu(t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 5, 16])
 def test_kernels_on_gpu_at_flash_next_shapes(t):
-    """The real kernels (bf16 weights) against the XLA router on the GPU: the same experts, weights within float32
-    rounding."""
-    rng = np.random.default_rng(t)
-    x = jnp.asarray(rng.normal(size=(t, 2560)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(512, 2560)) / 50, jnp.bfloat16)
-    ids, weights = jax.jit(lambda x, w: fused_route(x, w, 10, True, impl="pallas"))(x, w)
-    want_ids, want_weights = jax.jit(lambda x, w: route_xla(x, w, 10, True))(x, w)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5)
+    """The real kernels (bf16 weights) on the GPU against float64 numpy: logits summed exactly and rounded once to
+    bf16 (what the model's bf16 matmul means), then softmax, top-k and normalisation. Not against XLA's router on
+    the GPU: its bf16 GEMM rounds differently (on the H200, 2026-12-02, logits one bf16 step apart swapped 4 of 10
+    experts of a token and moved the weights by up to 1%). Rows with one of their 11 best logits within 1e-6 of a
+    bf16 rounding boundary are left out (the kernel's float32 sum, good to ~1e-7 here, may round it either way)."""
+    import ml_dtypes
 
+    rng = np.random.default_rng(t)
+    x = rng.normal(size=(t, 2560)).astype(ml_dtypes.bfloat16)
+    w = (rng.normal(size=(512, 2560)) / 50).astype(ml_dtypes.bfloat16)
+    ids, weights = jax.jit(lambda x, w: fused_route(x, w, 10, True, impl="pallas"))(jnp.asarray(x), jnp.asarray(w))
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    logits = exact.astype(ml_dtypes.bfloat16).astype(np.float64)
+    near = (exact + 1e-6).astype(ml_dtypes.bfloat16) != (exact - 1e-6).astype(ml_dtypes.bfloat16)
+    near = np.take_along_axis(near, np.argsort(-exact, axis=1)[:, :11], 1)  # the normalised top-10 needs no others
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    want_ids = np.argsort(-probs, axis=1, kind="stable")[:, :10]
+    want = np.take_along_axis(probs, want_ids, 1)
+    keep = ~near.any(1)
+    assert keep.sum() >= t - 1, "too many logits on a rounding boundary for this seed"
+    np.testing.assert_array_equal(np.asarray(ids)[keep], want_ids[keep])
+    np.testing.assert_allclose(np.asarray(weights)[keep], (want / want.sum(1, keepdims=True))[keep], rtol=2e-5)
 
 
 def test_load_model_switches_the_fused_kernels_on():
