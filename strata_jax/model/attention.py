@@ -11,6 +11,7 @@ from flax import nnx
 from pallas_kernels.decode_attention import MAX_TOKENS, decode_attention, quantize_kv
 from pallas_kernels.flash_prefill import attend_prefill
 from pallas_kernels.prefill_attention import dense_mask, prefill_attention
+from pallas_kernels.selected_attention import selected_attention
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import AttentionCache
 from strata_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
@@ -47,14 +48,15 @@ def _block_scores(q: jax.Array, block_keys: jax.Array) -> jax.Array:
     return jnp.sum(jax.nn.relu(scores), axis=-1) / math.sqrt(q.shape[-1])
 
 
-def _top_blocks_filled(q: jax.Array, block_keys: jax.Array, n_complete: jax.Array, top: int) -> jax.Array:
-    """`chosen` [B, T, NB]: each token's `top` best-scoring complete blocks (ties to the lower block, as
-    `lax.top_k`), scoring only the blocks that are complete for some token of the chunk.
+def top_block_ids(q: jax.Array, block_keys: jax.Array, n_complete: jax.Array, top: int) -> jax.Array:
+    """ids [B, T, top] int32: each token's `top` best-scoring complete blocks (ties to the lower block, as
+    `lax.top_k`), scoring only the blocks that are complete for some token of the chunk; NB (the block count) fills
+    the slots of a token with fewer than `top` complete blocks.
 
     A loop over groups of `SELECT_BLOCKS` blocks with a traced trip count keeps a running top-k per token, so a
     prefill chunk's selection costs what the filled part of the cache holds, not its allocated length. The running
     entries come first in each merge and are sorted (value, then block), so a tie goes to the lower block as in one
-    `top_k` over all blocks. With fewer than `top` complete blocks the leftover slots hold no block."""
+    `top_k` over all blocks."""
     bsz, t, _, _ = q.shape
     nb = block_keys.shape[1]
     g = min(SELECT_BLOCKS, nb)
@@ -73,8 +75,20 @@ def _top_blocks_filled(q: jax.Array, block_keys: jax.Array, n_complete: jax.Arra
 
     init = (jnp.full((bsz, t, top), -jnp.inf, jnp.float32), jnp.full((bsz, t, top), nb, jnp.int32))
     _, ids = jax.lax.fori_loop(0, n_steps, step, init)
+    return ids
+
+
+def chosen_from_ids(ids: jax.Array, n_blocks: int) -> jax.Array:
+    """The selection mask `chosen` [B, T, n_blocks] of block ids [B, T, top] (n_blocks or more: no block)."""
+    bsz, t, _ = ids.shape
     rows = jnp.arange(bsz)[:, None, None], jnp.arange(t)[None, :, None]
-    return jnp.zeros((bsz, t, nb), bool).at[rows + (ids,)].set(True, mode="drop")
+    return jnp.zeros((bsz, t, n_blocks), bool).at[rows + (ids,)].set(True, mode="drop")
+
+
+def _top_blocks_filled(q: jax.Array, block_keys: jax.Array, n_complete: jax.Array, top: int) -> jax.Array:
+    """`chosen` [B, T, NB] of `top_block_ids` (with fewer than `top` complete blocks the leftover slots hold no
+    block)."""
+    return chosen_from_ids(top_block_ids(q, block_keys, n_complete, top), block_keys.shape[1])
 
 
 class QSAIndexer(nnx.Module):
@@ -129,9 +143,11 @@ class QSAIndexer(nnx.Module):
         block_keys: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
+        as_ids: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Returns the block selection `chosen` [B, T, S // compress_ratio], the updated raw index keys and the
-        updated block keys (`update_block_keys`).
+        updated block keys (`update_block_keys`). With `as_ids`, and more blocks in the cache than the budget keeps,
+        the selection comes as block ids [B, T, budget // compress_ratio] instead (`top_block_ids`).
 
         `chosen` marks, per token, the complete blocks (those below (position + 1) // compress_ratio) it sees; the
         incomplete tail block is always seen up to the token's own position (the causal mask bounds it).
@@ -151,6 +167,8 @@ class QSAIndexer(nnx.Module):
         top = cfg.indexer_budget // c
         if n_blocks <= top:
             chosen = complete
+        elif as_ids:
+            chosen = top_block_ids(jax.lax.stop_gradient(q), jax.lax.stop_gradient(keys), n_complete, top)
         elif t > MAX_TOKENS or reads_filled_part():
             # The selection has no gradient; stopping it keeps the loop (no transpose) out of reverse mode.
             chosen = _top_blocks_filled(jax.lax.stop_gradient(q), jax.lax.stop_gradient(keys), n_complete, top)
@@ -208,12 +226,18 @@ class Attention(nnx.Module):
         s = k_all.shape[2]
 
         index_k, block_keys, chosen = cache.index_k, cache.block_keys, None
-        if cfg.qsa:
-            chosen, index_k, block_keys = self.indexer(x, positions, n_valid, index_k, block_keys, cos, sin)
         c = cfg.indexer_compress_ratio if cfg.qsa else 1
+        # Off a GPU, once the cache holds more blocks than the budget keeps, tokens gather their selected keys
+        # instead of scoring every position (a 256-token chunk at 34K tokens: ~250x fewer scores).
+        gathered = cfg.qsa and reads_filled_part() and s // c > cfg.indexer_budget // c
+        if cfg.qsa:
+            chosen, index_k, block_keys = self.indexer(x, positions, n_valid, index_k, block_keys, cos, sin,
+                                                       as_ids=gathered)
 
         q = q.reshape(bsz, t, kvh, group, d)
-        if t > MAX_TOKENS and cfg.prefill_attention_impl not in ("auto", "jnp"):
+        if gathered:
+            out = selected_attention(q, k_all, v_all, start, chosen, c, **scales)
+        elif t > MAX_TOKENS and cfg.prefill_attention_impl not in ("auto", "jnp"):
             # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl). A cache of at most the
             # budget's blocks has every complete block chosen: plain causal attention, which cuDNN can take.
             plain = chosen is None or s // c <= cfg.indexer_budget // c
