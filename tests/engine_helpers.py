@@ -1,4 +1,5 @@
-"""Helpers shared by the engine tests: random prompts, collecting a request's events, the tokens among them."""
+"""Helpers shared by the engine tests: random prompts, collecting a request's events, the tokens among them, plain
+greedy decoding to compare them with."""
 
 from __future__ import annotations
 
@@ -24,3 +25,19 @@ async def collect(engine, prompt, delay: float = 0.0, max_tokens: int = 8, **sam
 
 def tokens(events) -> list[int]:
     return [ev.token_id for ev in events if ev.token_id is not None]
+
+
+def greedy(model, prompt, n: int, max_len: int = 160) -> list[int]:
+    """`model.generate(prompt, n, stop_at_eos=False)` through the same plain API (the whole prompt in one step,
+    then one token per step, argmax of each step's last logits), on a cache of `max_len` positions whatever the
+    prompt: generate sizes its cache to prompt + n, so each prompt length compiled two steps; here the decode step
+    compiles once for every prompt of the module's model."""
+    if len(prompt) + n > max_len:
+        raise ValueError(f"a prompt of {len(prompt)} tokens and {n} more do not fit a cache of {max_len}")
+    seqs = model.start(1, max_len)
+    logits, _, seqs = model.step(seqs, np.asarray([prompt], np.int32))
+    out = [int(np.argmax(logits[0, -1]))]
+    while len(out) < n:
+        logits, _, seqs = model.step(seqs, np.asarray([[out[-1]]], np.int32))
+        out.append(int(np.argmax(logits[0, -1])))
+    return out

@@ -1,6 +1,6 @@
 """Longer and adaptive drafts: the per-slot draft-length policy on its own (no model), the per-drafter limits, and
 greedy output with drafts of up to 8 tokens (16 for n-gram), adaptive lengths on and off, equal to plain greedy
-decoding (LoadedModel.generate, which runs no engine)."""
+decoding (LoadedModel's step API, which runs no engine: engine_helpers.greedy)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
+from engine_helpers import greedy
 from strata_jax.bench.oracle import OracleDrafter
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.engine import draft_policy
@@ -119,10 +120,11 @@ def _serve(model, cfg, prompts, max_tokens, drafter=None):
 def test_eight_drafts_adaptive_equal_plain_greedy(model):
     rng = np.random.default_rng(3)
     prompts = [tuple(int(x) for x in rng.integers(0, 500, n)) for n in (19, 33)]
-    want = [model.generate(list(p), 30, stop_at_eos=False) for p in prompts]
+    want = [greedy(model, p, 30) for p in prompts]
     # A replay of the right answers, 90% of drafts right: lengths grow to 8 and fall back after misses.
     drafter = OracleDrafter([p + tuple(w) for p, w in zip(prompts, want)], 0.9, model.config.vocab_size, seed=1)
-    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(8, 32), prefix_cache_mib=0, draft_k=8)
+    # One prefill width: the verify widths are what this test compiles for.
+    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(32,), prefix_cache_mib=0, draft_k=8)
     got, stats, widths = _serve(model, cfg, prompts, 30, drafter)
     assert got == want
     assert 0 < stats["accepted_draft_tokens_total"] < stats["draft_tokens_total"]
@@ -133,8 +135,8 @@ def test_sixteen_ngram_drafts_equal_plain_greedy(model):
     # A prompt that repeats itself: prompt lookup drafts 16 tokens at every step (mostly wrong on a random model).
     base = tuple(int(x) for x in np.random.default_rng(4).integers(0, 500, 20))
     prompts = [base * 3, base[5:] * 2]
-    want = [model.generate(list(p), 12, stop_at_eos=False) for p in prompts]
-    fixed = EngineConfig(slots=2, max_context=128, prefill_chunks=(16, 64), prefix_cache_mib=0, draft="ngram",
+    want = [greedy(model, p, 12) for p in prompts]
+    fixed = EngineConfig(slots=2, max_context=128, prefill_chunks=(64,), prefix_cache_mib=0, draft="ngram",
                          draft_k=16, adaptive_draft=False)
     got, stats, widths = _serve(model, fixed, prompts, 12)
     assert got == want and set(widths) == {17} and stats["draft_tokens_total"] > 0

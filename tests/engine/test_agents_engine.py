@@ -13,7 +13,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
-from engine_helpers import collect, random_prompt, tokens
+from engine_helpers import collect, greedy, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 
@@ -72,7 +72,7 @@ def test_mixed_steps_and_shared_prefixes_equal_each_alone(engine, model, monkeyp
     together, late_events = asyncio.run(run())
     results = together + [late_events]
     for p, events, n in zip(sessions + [late], results, (24, 24, 24, 6)):
-        assert tokens(events) == model.generate(list(p), n, stop_at_eos=False)
+        assert tokens(events) == greedy(model, p, n)
         assert events[-1].finish_reason == "length"
     # The first session prefilled the common 40 tokens; the other two waited for its snapshot there.
     assert sorted(ev[0].cached_tokens for ev in results[:3]) == [0, 40, 40]
@@ -103,14 +103,14 @@ def test_a_snapshot_in_flight_never_changes_another_slots_output(engine, model, 
                                     collect(engine, long_prompt, delay=0.2, max_tokens=8))
 
     first, second = asyncio.run(run())
-    assert tokens(first) == model.generate(list(decoder), 40, stop_at_eos=False)
-    assert tokens(second) == model.generate(list(long_prompt), 8, stop_at_eos=False)
+    assert tokens(first) == greedy(model, decoder, 40)
+    assert tokens(second) == greedy(model, long_prompt, 8)
     assert max(in_flight) >= 2
     # A later turn restores the deepest of them (landed by the lookup) and is exact too.
     follow = long_prompt + tuple(tokens(second)) + random_prompt(322, 5)
     events = asyncio.run(collect(engine, follow, max_tokens=6))
     assert events[0].cached_tokens == len(long_prompt) + 8 - 1
-    assert tokens(events) == model.generate(list(follow), 6, stop_at_eos=False)
+    assert tokens(events) == greedy(model, follow, 6)
 
 
 def test_cancelling_mid_prefill_frees_the_slot_and_its_snapshot_memory(engine, model, monkeypatch):
@@ -150,4 +150,4 @@ def test_cancelling_mid_prefill_frees_the_slot_and_its_snapshot_memory(engine, m
     assert taken and all(leaf.is_deleted() for state in taken for leaf in jax.tree_util.tree_leaves(state))
     monkeypatch.undo()
     p = random_prompt(331, 20)  # the slot serves the next request exactly
-    assert tokens(asyncio.run(collect(engine, p))) == model.generate(list(p), 8, stop_at_eos=False)
+    assert tokens(asyncio.run(collect(engine, p))) == greedy(model, p, 8)

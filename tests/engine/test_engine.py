@@ -12,7 +12,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
-from engine_helpers import collect, random_prompt, tokens
+from engine_helpers import collect, greedy, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, PromptTooLong, SamplingParams
 
 CTX = 160
@@ -44,7 +44,7 @@ def test_batched_equals_alone_together_and_staggered(engine, model):
 
     together, staggered = asyncio.run(run())
     for p, a, b in zip(prompts, together, staggered):
-        alone = model.generate(list(p), 8, stop_at_eos=False)
+        alone = greedy(model, p, 8)
         assert _tokens(a) == alone
         assert _tokens(b) == alone
         assert a[-1].finish_reason == "length" and a[-1].timing is not None
@@ -58,26 +58,27 @@ def test_prefix_cache_hit_is_exact(engine, model):
     asyncio.run(_collect(engine, first))
     events = asyncio.run(_collect(engine, second))
     assert events[0].cached_tokens == 64
-    assert _tokens(events) == model.generate(list(second), 8, stop_at_eos=False)
+    assert _tokens(events) == greedy(model, second, 8)
     # A follow-up turn extends the whole previous exchange (prompt + answer): reuses the end-of-request snapshot.
     answer = _tokens(events)
     follow = second + tuple(answer) + _prompt(103, 5)
     events2 = asyncio.run(_collect(engine, follow))
     assert events2[0].cached_tokens == len(second) + len(answer) - 1
-    assert _tokens(events2) == model.generate(list(follow), 8, stop_at_eos=False)
+    assert _tokens(events2) == greedy(model, follow, 8)
     # A turn that re-sends the prompt with another answer (as a chat template re-renders it) resumes at the end of
     # the prompt, past the last 32-token boundary: the snapshot taken when its prefill ended.
     other = second + _prompt(104, 6)
     events3 = asyncio.run(_collect(engine, other))
     assert events3[0].cached_tokens == len(second)
-    assert _tokens(events3) == model.generate(list(other), 8, stop_at_eos=False)
+    assert _tokens(events3) == greedy(model, other, 8)
 
 
 def test_cancellation_frees_the_slot(engine, model):
     other = _prompt(7, 20)
 
     async def run():
-        long_stream = await engine.submit(GenerationRequest(_prompt(8, 10), SamplingParams(max_tokens=100, ignore_eos=True)))
+        long_stream = await engine.submit(GenerationRequest(_prompt(8, 10), SamplingParams(max_tokens=100,
+                                                                                           ignore_eos=True)))
         other_task = asyncio.create_task(_collect(engine, other, max_tokens=12))
         got = 0
         async for _ in long_stream:
@@ -96,7 +97,7 @@ def test_cancellation_frees_the_slot(engine, model):
     busy, other_events = asyncio.run(run())
     assert busy <= 1
     assert engine.stats()["cancelled_total"] == before + 1
-    assert _tokens(other_events) == model.generate(list(other), 12, stop_at_eos=False)
+    assert _tokens(other_events) == greedy(model, other, 12)
 
 
 def test_prompt_longer_than_context_fails_alone(engine, model):
@@ -111,7 +112,7 @@ def test_prompt_longer_than_context_fails_alone(engine, model):
         return await task
 
     events = asyncio.run(run())
-    assert _tokens(events) == model.generate(list(ok_prompt), 8, stop_at_eos=False)
+    assert _tokens(events) == greedy(model, ok_prompt, 8)
 
 
 def test_output_is_clamped_to_the_context(engine):
@@ -132,12 +133,12 @@ def test_sampling_is_reproducible_and_independent_of_batch(engine, model):
         return res[0]
 
     assert _tokens(asyncio.run(crowded())) == _tokens(alone)
-    greedy = model.generate(list(p), 10, stop_at_eos=False)
-    assert _tokens(alone) != greedy  # temperature 1 on a random model really samples
+    want = greedy(model, p, 10)
+    assert _tokens(alone) != want  # temperature 1 on a random model really samples
     top1 = asyncio.run(_collect(engine, p, temperature=1.0, top_k=1, seed=3, max_tokens=10))
-    assert _tokens(top1) == greedy
+    assert _tokens(top1) == want
     tiny_p = asyncio.run(_collect(engine, p, temperature=1.0, top_p=1e-6, seed=3, max_tokens=10))
-    assert _tokens(tiny_p) == greedy
+    assert _tokens(tiny_p) == want
 
 
 def test_stop_token_and_stop_string(engine, model):
@@ -164,9 +165,9 @@ def test_bf16_cache_on_a_float32_model(model):
     try:
         p = _prompt(20, 10)
         events = asyncio.run(_collect(eng, p, max_tokens=6))
-        greedy = model.generate(list(p), 6, stop_at_eos=False)
+        want = greedy(model, p, 6)
         assert len(_tokens(events)) == 6
-        assert _tokens(events)[0] == greedy[0]
+        assert _tokens(events)[0] == want[0]
     finally:
         eng.shutdown()
 
@@ -207,7 +208,7 @@ def test_a_failing_step_fails_running_requests_and_the_engine_recovers(engine, m
     assert events[-1].finish_reason == "error" and "injected" in events[-1].error
     monkeypatch.setattr(steps, "decode", real)
     p = _prompt(31, 9)
-    assert _tokens(asyncio.run(_collect(engine, p))) == model.generate(list(p), 8, stop_at_eos=False)
+    assert _tokens(asyncio.run(_collect(engine, p))) == greedy(model, p, 8)
 
 
 def test_prefix_reads_copy_only_the_filled_part(engine, monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
-from engine_helpers import collect, random_prompt, tokens
+from engine_helpers import collect, greedy, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.engine.job import Job
 from strata_jax.engine.protocol import EngineUnavailable
@@ -77,7 +77,7 @@ def test_huge_top_k_beside_a_running_stream(engine, model):
         return await task, bad
 
     events, bad = asyncio.run(run())
-    assert tokens(events) == model.generate(list(running), 16, stop_at_eos=False)
+    assert tokens(events) == greedy(model, running, 16)
     assert events[-1].finish_reason == "length"
     assert bad[-1].finish_reason == "length" and len(tokens(bad)) == 4
 
@@ -100,7 +100,7 @@ def test_a_request_whose_inputs_fail_fails_alone(engine, model, monkeypatch):
 
     events, bad = asyncio.run(run())
     assert bad[-1].finish_reason == "error" and "injected" in bad[-1].error and not bad[-1].retryable
-    assert tokens(events) == model.generate(list(running), 16, stop_at_eos=False)
+    assert tokens(events) == greedy(model, running, 16)
     assert events[-1].finish_reason == "length"
 
 
@@ -129,7 +129,7 @@ def test_a_failed_prefill_that_consumed_the_cache_costs_the_others_nothing(engin
     results, bad = asyncio.run(run())
     assert bad[-1].finish_reason == "error" and "injected" in bad[-1].error
     for p, events in zip(running, results):
-        assert tokens(events) == model.generate(list(p), 20, stop_at_eos=False)
+        assert tokens(events) == greedy(model, p, 20)
         assert events[-1].finish_reason == "length"
     assert engine.stats()["refilled_slots_total"] == refilled + 2
 
@@ -165,7 +165,7 @@ def test_watchdog_then_shutdown(engine, model, monkeypatch):
             time.sleep(0.1)
         assert eng.health() == (True, "")
         p = random_prompt(72, 9)
-        assert tokens(asyncio.run(collect(eng, p))) == model.generate(list(p), 8, stop_at_eos=False)
+        assert tokens(asyncio.run(collect(eng, p))) == greedy(model, p, 8)
 
         async def shut_down_while_streaming():
             task = await _after_tokens(eng, random_prompt(80, 12), 2, CTX - 20)

@@ -10,7 +10,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
-from engine_helpers import collect, random_prompt, tokens
+from engine_helpers import collect, greedy, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 CTX = 128
@@ -54,8 +54,8 @@ def test_overlapped_decode_equals_the_plain_api(engine, model):
 
     together, staggered = asyncio.run(run())
     for i, (p, a, b) in enumerate(zip(prompts, together, staggered)):
-        assert _tokens(a) == model.generate(list(p), 6 + 3 * i, stop_at_eos=False)
-        assert _tokens(b) == model.generate(list(p), 10, stop_at_eos=False)
+        assert _tokens(a) == greedy(model, p, 6 + 3 * i)
+        assert _tokens(b) == greedy(model, p, 10)
         assert a[-1].finish_reason == "length" and a[-1].completion_tokens == 6 + 3 * i
     assert engine._scheduler.counters["overlapped_steps"] > before  # the overlapped path really ran
     # The token an overlapped step computes after a request stopped is dropped, not counted or sent.
@@ -65,7 +65,7 @@ def test_overlapped_decode_equals_the_plain_api(engine, model):
 
 def test_stop_token_mid_stream(engine, model):
     p = _prompt(11, 12)
-    want = model.generate(list(p), 10, stop_at_eos=False)
+    want = greedy(model, p, 10)
     stop = want[4]
     events = asyncio.run(_collect(engine, p, stop_token_ids=(stop,)))
     got = _tokens(events)
@@ -79,7 +79,7 @@ def test_end_of_request_snapshot_is_exact(engine, model):
     events = asyncio.run(_collect(engine, follow))
     # The overlapped step fed the answer's last token too: the snapshot holds the whole exchange.
     assert events[0].cached_tokens == len(first) + len(answer)
-    assert _tokens(events) == model.generate(list(follow), 10, stop_at_eos=False)
+    assert _tokens(events) == greedy(model, follow, 10)
 
 
 def test_cancelling_one_request_leaves_the_others_exact(engine, model):
@@ -97,14 +97,14 @@ def test_cancelling_one_request_leaves_the_others_exact(engine, model):
 
     results = asyncio.run(run())
     for p, events in zip(keep, results):
-        assert _tokens(events) == model.generate(list(p), 20, stop_at_eos=False)
+        assert _tokens(events) == greedy(model, p, 20)
 
 
 def test_overlap_off_takes_the_plain_path(model):
     eng = _engine(model, overlap=False)
     try:
         p = _prompt(40, 15)
-        assert _tokens(asyncio.run(_collect(eng, p))) == model.generate(list(p), 10, stop_at_eos=False)
+        assert _tokens(asyncio.run(_collect(eng, p))) == greedy(model, p, 10)
         assert eng._scheduler.counters["overlapped_steps"] == 0
     finally:
         eng.shutdown()

@@ -10,7 +10,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
-from engine_helpers import collect, random_prompt, tokens
+from engine_helpers import collect, greedy, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig
 
 CTX = 96
@@ -46,6 +46,17 @@ def model():
     return strata_jax.load_model(FIXTURES / "ckpt" / "qwen4_exp_causal")
 
 
+@pytest.fixture(scope="module")
+def engine(model):
+    """One engine for both cases (its steps compile once): its PerfectDrafter guesses only for the prompts in its
+    `answers`, which a test without speculation leaves empty (no drafts: plain decode steps only)."""
+    cfg = EngineConfig(slots=2, max_context=CTX, prefill_chunks=(8, 32), prefix_cache_mib=0)
+    eng = Engine(model, cfg, drafter=PerfectDrafter({}, cfg.draft_k))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
 def _reference(model, prompt, generated) -> np.ndarray:
     """log_softmax of the model's logits at every generated token's position [len(generated), V]."""
     seq = np.asarray([list(prompt) + list(generated)], np.int32)
@@ -71,13 +82,12 @@ def _check(model, prompt, events, k):
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_logprobs_match_numpy_log_softmax(model, speculative):
+def test_logprobs_match_numpy_log_softmax(engine, model, speculative):
     prompts = [random_prompt(40 + i, n) for i, n in enumerate((5, 23, 11))]
-    answers = {p: model.generate(list(p), 10, stop_at_eos=False) for p in prompts}
-    cfg = EngineConfig(slots=2, max_context=CTX, prefill_chunks=(8, 32), prefix_cache_mib=0)
-    drafter = PerfectDrafter(answers, cfg.draft_k) if speculative else None
-    engine = Engine(model, cfg, drafter=drafter)
-    engine.start()
+    answers = {p: greedy(model, p, 10) for p in prompts}
+    drafter = engine._scheduler.drafter
+    drafter.answers, drafter.calls = (answers if speculative else {}), 0
+    before = engine.stats()
     try:
         async def run():
             return await asyncio.gather(
@@ -86,9 +96,9 @@ def test_logprobs_match_numpy_log_softmax(model, speculative):
                 collect(engine, prompts[2], max_tokens=10))  # no logprobs asked: none given
 
         with_5, with_0, without = asyncio.run(run())
-        stats = engine.stats()
+        stats = {k: v - before[k] for k, v in engine.stats().items() if k.endswith("_total")}
     finally:
-        engine.shutdown()
+        drafter.answers = {}
     for p, events in zip(prompts, (with_5, with_0, without)):
         assert tokens(events) == answers[p]  # greedy output unchanged
     _check(model, prompts[0], with_5, 5)
@@ -96,3 +106,5 @@ def test_logprobs_match_numpy_log_softmax(model, speculative):
     assert all(ev.logprobs == () for ev in without)
     if speculative:
         assert stats["accepted_draft_tokens_total"] > 0 and stats["verify_steps_total"] > 0
+    else:
+        assert stats["verify_steps_total"] == 0  # plain decode steps only

@@ -61,8 +61,10 @@ def _engine_tokens(model, slots: int, draft: str = "none") -> list[list[int]]:
 
     from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
+    # Drafts of a fixed length (adaptive_draft=False): one compiled verify window, not one per draft length (the
+    # mesh shards every width alike; adaptive lengths are tests/engine/test_adaptive_draft.py's).
     config = EngineConfig(slots=slots, max_context=64, prefill_chunks=(8,), prefill_batch=2, draft=draft,
-                          snapshot_every=8, prefix_cache_mib=16, watchdog_s=0)
+                          adaptive_draft=False, snapshot_every=8, prefix_cache_mib=16, watchdog_s=0)
     engine = Engine(model, config)
     engine.start()
 
@@ -137,14 +139,18 @@ def expected():
     import strata_jax
 
     model = strata_jax.load_model(FIXTURES / "qwen4_exp_causal")
-    tokens = [model.generate(p, 10, stop_at_eos=False) for p in PROMPTS + PROMPTS[:1] + PROMPTS[:1]]
     ids = np.asarray([PROMPTS[0] + PROMPTS[2], PROMPTS[3][:20]], np.int32)
     host = strata_jax.load_model(FIXTURES / "qwen4_exp_causal", quantize="1bit", group=64, gpu_experts=4)
-    return {"tokens": tokens, "host_logits": host.logits(ids), "host_tokens": tokens_of(host)}
+    return {"tokens": tokens_of(model), "host_logits": host.logits(ids), "host_tokens": tokens_of(host)}
 
 
 def tokens_of(model) -> list[list[int]]:
-    return [model.generate(p, 10, stop_at_eos=False) for p in PROMPTS + PROMPTS[:1] + PROMPTS[:1]]
+    """Plain greedy decoding (`engine_helpers.greedy`: one compiled decode step for every prompt) of what
+    `_engine_tokens` submits: PROMPTS, then PROMPTS[0] twice more."""
+    from engine_helpers import greedy
+
+    tokens = [greedy(model, p, 10, max_len=64) for p in PROMPTS]
+    return tokens + tokens[:1] + tokens[:1]
 
 
 @pytest.mark.parametrize("mesh,case", CASES, ids=[f"{m}-{c}" for m, c in CASES])

@@ -11,7 +11,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
-from engine_helpers import collect, random_prompt, tokens
+from engine_helpers import collect, greedy, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig
 
 
@@ -48,7 +48,7 @@ def test_prompts_prefilled_together_equal_each_alone(engine, model):
 
     results = asyncio.run(run())
     for p, events in zip(prompts, results):
-        assert tokens(events) == model.generate(list(p), 6, stop_at_eos=False)
+        assert tokens(events) == greedy(model, p, 6)
         assert events[-1].finish_reason == "length"
     after = engine.stats()
     pieces = after["prefill_chunks_total"] - before["prefill_chunks_total"]
@@ -89,6 +89,6 @@ def test_a_failed_shared_prefill_fails_only_the_prompt_at_fault(engine, model, m
     first, failed, second = asyncio.run(run())
     assert failed[-1].finish_reason == "error" and "injected" in failed[-1].error
     for p, events in ((good[0], first), (good[1], second)):
-        assert tokens(events) == model.generate(list(p), 5, stop_at_eos=False)
+        assert tokens(events) == greedy(model, p, 5)
         assert events[-1].finish_reason == "length"
     assert shared_failures[-1] == 1 and max(shared_failures) > 1  # failed shared, then alone

@@ -13,6 +13,7 @@ import pytest
 
 import strata_jax
 from conftest import FIXTURES
+from engine_helpers import greedy
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.engine.drafters import NgramDrafter
 from strata_jax.engine.speculative import accept
@@ -79,20 +80,28 @@ def _run(engine, prompts, max_tokens, **sampling):
 
 
 def _check_equal(model, prompts, cfg, drafter, max_tokens=12):
-    want = {p: model.generate(list(p), max_tokens, stop_at_eos=False) for p in prompts}
     eng = Engine(model, cfg, drafter=drafter)
     eng.start()
     try:
-        results = _run(eng, prompts, max_tokens)
-        for p, events in zip(prompts, results):
-            assert [e.token_id for e in events] == want[p]
-        stats = eng.stats()
-        assert stats["verify_steps_total"] > 0
-        assert sum(ev[-1].draft_tokens for ev in results) == stats["draft_tokens_total"] > 0
-        assert sum(ev[-1].accepted_draft_tokens for ev in results) == stats["accepted_draft_tokens_total"]
-        return stats
+        return _check_run(model, eng, prompts, max_tokens)
     finally:
         eng.shutdown()
+
+
+def _check_run(model, eng, prompts, max_tokens):
+    """Runs `prompts` through the started engine `eng`: every output equals plain greedy decoding, verify steps ran
+    and the requests' draft counts add up to the engine's; returns the counters this run added."""
+    want = {p: greedy(model, p, max_tokens) for p in prompts}
+    before = eng.stats()
+    results = _run(eng, prompts, max_tokens)
+    for p, events in zip(prompts, results):
+        assert [e.token_id for e in events] == want[p]
+    after = eng.stats()
+    stats = {k: v - before[k] for k, v in after.items() if k.endswith("_total")}
+    assert stats["verify_steps_total"] > 0
+    assert sum(ev[-1].draft_tokens for ev in results) == stats["draft_tokens_total"] > 0
+    assert sum(ev[-1].accepted_draft_tokens for ev in results) == stats["accepted_draft_tokens_total"]
+    return stats
 
 
 def test_greedy_output_with_ngram_drafts_equals_without(model):
@@ -100,7 +109,7 @@ def test_greedy_output_with_ngram_drafts_equals_without(model):
     # random model): many verify windows, many rollbacks, rows of different lengths.
     perm = np.random.default_rng(5).permutation(500)
     prompts = [tuple(int(x) for x in perm[:120]), tuple(int(x) for x in perm[120:])[:130], tuple(range(60))]
-    cfg = EngineConfig(slots=2, max_context=160, prefill_chunks=(16, 64), prefix_cache_mib=0, draft="ngram")
+    cfg = EngineConfig(slots=2, max_context=160, prefill_chunks=(16,), prefix_cache_mib=0, draft="ngram")
     stats = _check_equal(model, prompts, cfg, None, max_tokens=10)
     # Drafts exist at every step, so plain decode steps only happen when missing drafts were paused (adaptive).
     assert stats["decode_steps_total"] > 0
@@ -111,7 +120,11 @@ def test_mtp_drafting_is_exact_and_drafts_match_the_mtp_head(name):
     model = strata_jax.load_model(FIXTURES / "ckpt" / name)
     rng = np.random.default_rng(9)
     prompts = [tuple(int(x) for x in rng.integers(0, 500, n)) for n in (21, 9, 40)]
-    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(8, 32), prefix_cache_mib=0, draft="mtp", draft_k=3)
+    # Every compiled step chains the MTP head (the costliest compiles of the suite), so as few as cover it: one
+    # prefill width (prompts still span several chunks, padded and whole) and one verify width (drafts of a fixed
+    # length; adaptive lengths, the same for every drafter, are tests/engine/test_adaptive_draft.py's).
+    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(8,), prefix_cache_mib=0, draft="mtp", draft_k=3,
+                       adaptive_draft=False)
     eng = Engine(model, cfg)
     seen = []
     real_prefill = eng._runner.prefill
@@ -128,12 +141,12 @@ def test_mtp_drafting_is_exact_and_drafts_match_the_mtp_head(name):
     finally:
         eng.shutdown()
     for p, events in zip(prompts, results):
-        assert [e.token_id for e in events] == model.generate(list(p), 10, stop_at_eos=False)
+        assert [e.token_id for e in events] == greedy(model, p, 10)
     assert eng.stats()["verify_steps_total"] > 0
     # The first MTP guess after a prompt, recomputed through the plain API: MTP(hidden of each prompt token,
     # the token after it), read at the last prompt token.
     p = prompts[0]
-    seqs = model.start(1, 64)
+    seqs = model.start(1, 160)  # greedy's shapes above: its compiled prefill
     logits, hidden, seqs = model.step(seqs, np.asarray([p]))
     first = int(np.argmax(logits[0, -1]))
     mtp_logits, _ = model.mtp_step(seqs, np.asarray([p[1:] + (first,)]), hidden)
@@ -147,12 +160,36 @@ def test_draft_model_drafting_is_exact():
     target = strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next")
     rng = np.random.default_rng(4)
     prompts = [tuple(int(x) for x in rng.integers(0, 500, n)) for n in (30, 7, 45)]
-    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(8, 32), prefix_cache_mib=0, draft_k=3)
+    # One prefill width (the target's and both draft models' prefill steps each compile once per width): the
+    # draft models still catch up on several chunks per prompt and on a few tokens after each verify.
+    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(8,), prefix_cache_mib=0, draft_k=3)
     # The target as its own draft model: every draft is right, so whole windows are accepted.
-    drafter = DraftModelDrafter(strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next"), cfg, target.config.vocab_size)
-    stats = _check_equal(target, prompts, cfg, drafter, max_tokens=10)
-    assert stats["accepted_draft_tokens_total"] == stats["draft_tokens_total"]
-    # A different model as the drafter: mostly wrong, still exact.
-    other = DraftModelDrafter(strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next", dtype="bfloat16"), cfg,
-                              target.config.vocab_size)
-    _check_equal(target, prompts, cfg, other, max_tokens=10)
+    drafter = _Swappable(DraftModelDrafter(strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next"), cfg,
+                                           target.config.vocab_size))
+    eng = Engine(target, cfg, drafter=drafter)  # one engine for both draft models: the target compiles once
+    eng.start()
+    try:
+        stats = _check_run(target, eng, prompts, 10)
+        assert stats["accepted_draft_tokens_total"] == stats["draft_tokens_total"]
+        # A different model as the drafter: mostly wrong, still exact.
+        other = DraftModelDrafter(strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next", dtype="bfloat16"), cfg,
+                                  target.config.vocab_size)
+        other.warm_up()
+        drafter.inner = other
+        stats = _check_run(target, eng, prompts, 10)
+        assert stats["accepted_draft_tokens_total"] < stats["draft_tokens_total"]
+    finally:
+        eng.shutdown()
+
+
+class _Swappable:
+    """A drafter that hands every call to `inner`, which the test replaces between runs of one engine."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def propose(self, requests):
+        return self.inner.propose(requests)
+
+    def warm_up(self):
+        self.inner.warm_up()
