@@ -1,8 +1,9 @@
 """Decode and verify attention off a GPU read only the filled part of a long cache (`attention.reads_filled_part`:
-the QSA selection scored block group by block group up to the last new token; attention over the selected keys
-alone past the QSA budget, `pallas_kernels.selected_attention`, key block by key block below it): their outputs, caches and greedy tokens equal the dense forms over all S positions (the path before it,
-still the GPU's), at fills below and past the QSA budget, slots of different lengths, idle slots, and windows that
-run past the end of the cache."""
+the QSA selection scored block group by block group up to the last new token; past the QSA budget, attention over
+the selected keys alone, `pallas_kernels.selected_attention`; below it key block by key block): their outputs,
+caches and greedy tokens equal the dense forms over all S positions (the path before it, still the GPU's), at fills
+below and past the QSA budget, slots of different lengths, idle slots, and windows that run past the end of the
+cache."""
 
 from __future__ import annotations
 
