@@ -80,6 +80,7 @@ from strata_jax.bench.synthetic import (
     synthetic_ple_tables,
 )
 from strata_jax.bench.oracle import parse_oracle
+from strata_jax.engine.planner import default_dtype
 from strata_jax.bench.step_inputs import STEP_EXTRAS, StepInputs, mtp_bytes, mtp_draft_step
 
 
@@ -466,11 +467,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def bench_dtype(dtype: str | None, model_dir: str | None, backend: str) -> str:
+    """The weights' dtype of a run: `dtype` when given; a checkpoint's (`model_dir`) as `serve` loads it on this
+    backend (bfloat16 on a GPU, float32 on a CPU, where bfloat16 prefill measured ~2x slower); a synthetic preset's
+    bfloat16."""
+    if dtype is not None:
+        return dtype
+    return default_dtype(backend) if model_dir else "bfloat16"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.mode in ("users", "prefill", "agents") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
+    args.dtype = bench_dtype(args.dtype, args.model_dir, jax.default_backend())
     args.preset = args.preset or "flash-next-125b"
     if args.mode not in ("step", "users") or args.model_dir:  # MTP and PLE of a synthetic preset: those modes only
         args.mtp = args.ple = False

@@ -304,7 +304,9 @@ def users_args(p) -> None:
     p.add_argument("--prefill-batch", type=int, default=1,
                    help="users mode: the most prompts prefilled together in one call (EngineConfig.prefill_batch; "
                         "default 1: one prompt per call)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights' dtype")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="weights' dtype (default: a checkpoint's as `serve` loads it, bfloat16 on a GPU and float32 "
+                        "on a CPU; synthetic presets bfloat16)")
     p.add_argument("--vram-budget-mib", type=int, default=None,
                    help="users mode: plan the device expert pool for a card of this size (the other experts run "
                    "on the host); default: every expert on the device")

@@ -44,6 +44,16 @@ def test_step_mode_runs_with_fused_decode(tmp_path, capsys):
     assert decode["kernels"] > 0 and decode["device_ms"] > 0
 
 
+def test_a_checkpoint_is_benchmarked_in_the_dtype_serve_loads_it_in():
+    from strata_jax.bench.main import bench_dtype
+    from strata_jax.engine.planner import default_dtype
+
+    assert bench_dtype(None, "some/checkpoint", "cpu") == default_dtype("cpu") == "float32"
+    assert bench_dtype(None, "some/checkpoint", "gpu") == default_dtype("gpu") == "bfloat16"
+    assert bench_dtype(None, None, "cpu") == "bfloat16"  # synthetic presets
+    assert bench_dtype("bfloat16", "some/checkpoint", "cpu") == "bfloat16"
+
+
 def test_step_extras_build_the_engines_mask_and_logprob_inputs():
     """--step-extras: "off" passes nothing, "idle" masks that allow every token and no log-probabilities (what the
     engine passes for unconstrained slots), "mask" / "both" constrain slot 0 alone, "logprobs" / "both" ask for slot
