@@ -80,7 +80,7 @@ def run_experts(experts, x: jax.Array, ids: jax.Array, weights: jax.Array, valid
     ep = current()
     if ep is None:
         return experts(x, ids, weights, valid)
-    if jax.lax.axis_size(MESH_AXES) == 1:  # a one-device mesh: no exchange, the step without a mesh's own call
+    if jax.lax.axis_size(MESH_AXES) == 1:  # one device: nothing to exchange (XLA keeps no-op collectives)
         return experts(x, ids, weights, valid)
     valid = jnp.ones((x.shape[0],), bool) if valid is None else valid
     n = jax.lax.axis_size(EXPERT_AXIS)

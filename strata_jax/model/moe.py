@@ -143,7 +143,7 @@ def _experts_by_blocks(xs: jax.Array, sizes: jax.Array, gate_up: jax.Array, down
     m, h = xs.shape
     n_experts, two_i, _ = gate_up.shape
     inter = two_i // 2
-    b = block or int(min(128, max(8, _next_power_of_2(max(1, m // (2 * n_experts))))))
+    b = block or min(128, max(8, 1 << (max(1, m // (2 * n_experts)) - 1).bit_length()))  # ~2 blocks per expert
     n_blocks = -(-m // b) + n_experts
     per_expert = (sizes + b - 1) // b
     first_block = jnp.cumsum(per_expert) - per_expert  # [E]
@@ -164,11 +164,6 @@ def _experts_by_blocks(xs: jax.Array, sizes: jax.Array, gate_up: jax.Array, down
 
     out = jax.lax.fori_loop(0, n_blocks, step, jnp.zeros((m + b, h), jnp.float32))
     return out[:m]
-
-
-def _next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
 
 
 class Experts(nnx.Module):
