@@ -30,13 +30,17 @@ def tokens(events) -> list[int]:
 def greedy(model, prompt, n: int, max_len: int = 160) -> list[int]:
     """`model.generate(prompt, n, stop_at_eos=False)` through the same plain API (the whole prompt in one step,
     then one token per step, argmax of each step's last logits), on a cache of `max_len` positions whatever the
-    prompt: generate sizes its cache to prompt + n, so each prompt length compiled two steps; here the decode step
-    compiles once for every prompt of the module's model."""
+    prompt, the prompt padded to a power-of-two width of at least 32 (its real length given as `n_valid`):
+    generate sizes its cache to prompt + n and its prompt step to the prompt, so each prompt length compiled two
+    steps; here a module's model compiles one decode step and a prompt step per width."""
     if len(prompt) + n > max_len:
         raise ValueError(f"a prompt of {len(prompt)} tokens and {n} more do not fit a cache of {max_len}")
     seqs = model.start(1, max_len)
-    logits, _, seqs = model.step(seqs, np.asarray([prompt], np.int32))
-    out = [int(np.argmax(logits[0, -1]))]
+    width = min(max(32, 1 << (len(prompt) - 1).bit_length()), max_len)
+    padded = np.zeros((1, width), np.int32)
+    padded[0, : len(prompt)] = prompt
+    logits, _, seqs = model.step(seqs, padded, np.asarray([len(prompt)], np.int32))
+    out = [int(np.argmax(logits[0, len(prompt) - 1]))]
     while len(out) < n:
         logits, _, seqs = model.step(seqs, np.asarray([[out[-1]]], np.int32))
         out.append(int(np.argmax(logits[0, -1])))

@@ -230,7 +230,9 @@ class Attention(nnx.Module):
         c = cfg.indexer_compress_ratio if cfg.qsa else 1
         # Off a GPU, once the cache holds more blocks than the budget keeps, tokens gather their selected keys
         # instead of scoring every position (a 256-token chunk at 34K tokens: ~250x fewer scores).
-        gathered = cfg.qsa and reads_filled_part() and s // c > cfg.indexer_budget // c
+        # A prefill kernel asked for by name (ModelConfig.prefill_attention_impl) takes its chunks even so.
+        named_kernel = t > MAX_TOKENS and cfg.prefill_attention_impl not in ("auto", "jnp")
+        gathered = cfg.qsa and not named_kernel and reads_filled_part() and s // c > cfg.indexer_budget // c
         if cfg.qsa:
             chosen, index_k, block_keys = self.indexer(x, positions, n_valid, index_k, block_keys, cos, sin,
                                                        as_ids=gathered)
@@ -238,7 +240,7 @@ class Attention(nnx.Module):
         q = q.reshape(bsz, t, kvh, group, d)
         if gathered:
             out = selected_attention(q, k_all, v_all, start, chosen, c, **scales)
-        elif t > MAX_TOKENS and cfg.prefill_attention_impl not in ("auto", "jnp"):
+        elif named_kernel:
             # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl). A cache of at most the
             # budget's blocks has every complete block chosen: plain causal attention, which cuDNN can take.
             plain = chosen is None or s // c <= cfg.indexer_budget // c

@@ -127,8 +127,10 @@ DENSE = ("qwen4_exp_causal", "qwen3_next", "qwen4_exp_cond")
 # jax >= 0.11: jaxlib 0.10.2's XLA:CPU still left that step waiting for a completion it never signals (issue 20's
 # hang; 2026-12-02, numpy kernel, idle for 12 minutes in `LoadedModel.logits`), so there it runs on 2 devices.
 _HOST_MESH = "1x4" if tuple(int(p) for p in importlib.metadata.version("jax").split(".")[:2]) >= (0, 11) else "1x2"
+# Slots that do not split (3 over 2 devices) run with the all-to-all exchange, whose per-device token counts they
+# make uneven; the gather exchange splits 4 slots on 1x4 and 2x2.
 CASES = [("1x2", "dense"), ("1x4", "engine:4:ngram"), ("2x2", "engine:4:ngram"),
-         ("exchange=all_to_all,1x2", "engine:4:ngram"), ("1x2", "engine:3"), (_HOST_MESH, "host")]
+         ("exchange=all_to_all,1x2", "engine:3:ngram"), (_HOST_MESH, "host")]
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,10 @@ def test_greedy_tokens_unchanged(loaded, kv):
 
 def test_prefill_chunks_and_decode_see_the_same_bytes():
     """Quantization is per token, on write: a 24-token prefill chunk (the blocked prefill attention) then 16 tokens
-    one at a time (decode attention) give the logits of one 40-token call, to float32 rounding, with an int8
-    cache; and the cache holds the same bytes."""
+    one at a time (decode attention) give the logits of one 40-token call with an int8 cache, and the cache holds
+    the same bytes. Float32 rounding differs between a 24- and a 40-token call, and the int8 cache carries it
+    further than a float cache does: 1.0e-4 of the largest logit on an AMD EPYC (1.2e-6 with a float32 cache),
+    under 2e-5 on others. A dropped or misplaced scale moves logits by whole percents."""
     path = FIXTURES / "ckpt" / "qwen4_exp_causal"
     model, ref = strata_jax.load_model(path), dict(np.load(path / "reference.npz"))
     ids = ref["input_ids"]
@@ -88,7 +90,7 @@ def test_prefill_chunks_and_decode_see_the_same_bytes():
     for t in range(24, ids.shape[1]):
         logits, _, seqs = model.step(seqs, ids[:, t : t + 1])
         parts.append(logits)
-    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, rtol=0, atol=2e-5 * np.abs(whole).max())
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, rtol=0, atol=2e-4 * np.abs(whole).max())
     a, b = _attention(one.cache), _attention(seqs.cache)
     assert np.mean(np.asarray(a.k) == np.asarray(b.k)) > 0.999  # a float32 rounding may move a byte
     np.testing.assert_allclose(np.asarray(a.k_scale), np.asarray(b.k_scale), rtol=1e-5)

@@ -341,8 +341,10 @@ def _health_latencies(server, busy) -> list[float]:
 
 def test_health_stays_fast_while_a_10_mb_prompt_is_tokenized(tokenizer, request):
     """6: a 10 MB prompt is rendered and tokenized off the event loop in pieces: /health keeps answering (the
-    issue's bound is 100 ms; asserted with room for a loaded 2-core CI machine). With the context far smaller than
-    the prompt, tokenizing stops at twice the context."""
+    issue's bound of 100 ms on the median probe). The worst probe gets room for a loaded 2-core CI machine, where the
+    OS can park the thread that holds the interpreter lock for most of a second (926 ms seen once in 242 probes);
+    tokenizing this prompt whole, the regression this guards against, holds the lock for 4-14 s. With the context
+    far smaller than the prompt, tokenizing stops at twice the context."""
     big = ("def handler(request):\n    return request.json()['value'] + 1\n" * 170_000)[:10_000_000]
     body = {"model": "m", "messages": [{"role": "user", "content": big}]}
     # As `serve` does once the model is loaded: a full collection walking every object earlier tests left in this
@@ -359,11 +361,10 @@ def test_health_stays_fast_while_a_10_mb_prompt_is_tokenized(tokenizer, request)
             latencies, r = _health_latencies(server, lambda: post(server, COUNT, body))
             took = time.monotonic() - t0
             assert r.status_code == expect, r.text[:300]
-            worst = max(latencies)
+            worst, median = max(latencies), sorted(latencies)[len(latencies) // 2]
             print(f"context {context}: count_tokens of 10 MB answered {r.status_code} in {took:.1f}s; /health "
-                  f"{len(latencies)} probes, median {sorted(latencies)[len(latencies) // 2] * 1e3:.0f} ms, worst "
-                  f"{worst * 1e3:.0f} ms")
-            assert worst < 0.5
+                  f"{len(latencies)} probes, median {median * 1e3:.0f} ms, worst {worst * 1e3:.0f} ms")
+            assert median < 0.1 and worst < 2.0
             if expect == 400:
                 message = assert_error(r, 400, "prompt is too long: more than ")["error"]["message"]
                 assert int(message.split()[6]) > 2 * 65535 and message.endswith("tokens > 65535 maximum")
