@@ -9,7 +9,9 @@ Implementations (``impl``):
 
 * ``"reference"``: pure jnp, unpacks the routed experts to float32 and einsums (tests, small shapes).
 * ``"xla"``: plain XLA, gathers the routed experts' packed words and unpacks them inside one
-  reduction fusion per projection (float32 throughout). The fallback off-GPU.
+  reduction fusion per projection (float32 throughout). The fallback off-GPU; there, with more (token, expert)
+  pairs than experts, ``expert_blocks`` instead: pairs sorted by expert, each expert unpacked once per block of
+  its rows (a prefill chunk unpacks each expert ~2x, not once per pair).
 * ``"pallas"``: the Pallas kernels (Triton lowering). ``default_config(T)`` picks, up to T = 128, the
   lookup-table kernels of ``onebit_lut`` (nibble tables of the activations, one gather per 4 weights; float32
   tables up to T = 4, bf16 from T = 8), and beyond that the MMA kernels of ``onebit_pallas`` (bf16 dot operands,
@@ -27,6 +29,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.delta_rule import gated_delta_decode
+from pallas_kernels.expert_blocks import moe_experts_1bit_blocks
 from pallas_kernels.onebit_common import as_packed, check_shapes
 from pallas_kernels.onebit_format import PackedExperts, dequantize
 from pallas_kernels.onebit_pallas import DEFAULT_CONFIG, KernelConfig, default_config, moe_experts_1bit_pallas
@@ -42,6 +45,7 @@ __all__ = [
     "dequantize",
     "gated_delta_decode",
     "moe_experts_1bit",
+    "moe_experts_1bit_blocks",
     "moe_experts_1bit_pallas",
     "moe_experts_1bit_reference",
     "moe_experts_1bit_xla",
@@ -84,6 +88,9 @@ def moe_experts_1bit(
     impl = resolve_impl(impl)
     if impl == "reference":
         return moe_experts_1bit_reference(x, expert_ids, expert_weights, gate_up, down)
+    if impl == "xla" and jax.default_backend() != "gpu" and expert_ids.size > gate_up.num_experts:
+        # More pairs than experts: unpack each expert once per block of its rows, not once per pair.
+        return moe_experts_1bit_blocks(x, expert_ids, expert_weights, gate_up, down)
     if impl == "xla":
         return moe_experts_1bit_xla(x, expert_ids, expert_weights, gate_up, down)
     return moe_experts_1bit_pallas(

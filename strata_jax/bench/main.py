@@ -415,7 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ple-rows-per-head", type=int, default=PLE_ROWS_PER_HEAD,
                        help="rows per n-gram head of the synthetic PLE table (16 heads of 160 values in bf16: "
                             "262,144 rows per head is 1.3 GiB; the real table has 20M, 95 GiB)")
-    model.add_argument("--planes", type=int, default=1, help="expert bit-planes")
+    model.add_argument("--planes", type=int, default=None,
+                       help="expert bit-planes: of a synthetic --preset (default 1); with --model-dir, re-pack the "
+                            "checkpoint's experts at N planes on load (default: experts as stored, as `serve` loads "
+                            "them; 0 too)")
     model.add_argument("--group", type=int, default=128, help="inputs per expert scale")
     model.add_argument("--impl", default="auto", help="expert kernel: auto | pallas | xla | reference")
     model.add_argument("--bandwidth-gib", type=float, default=None,
@@ -476,12 +479,20 @@ def bench_dtype(dtype: str | None, model_dir: str | None, backend: str) -> str:
     return default_dtype(backend) if model_dir else "bfloat16"
 
 
+def settle_planes(args: argparse.Namespace) -> None:
+    """`--planes` as the modes use it: `args.repack` whether a checkpoint's experts are re-packed on load (only when
+    --planes N > 0 is given: by default a checkpoint is benchmarked with its experts as `serve` loads them), and
+    `args.planes` the plane count of synthetic experts (1 unless given)."""
+    args.repack, args.planes = bool(args.planes), 1 if args.planes is None else args.planes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.mode in ("users", "prefill", "agents") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
     args.dtype = bench_dtype(args.dtype, args.model_dir, jax.default_backend())
+    settle_planes(args)
     args.preset = args.preset or "flash-next-125b"
     if args.mode not in ("step", "users") or args.model_dir:  # MTP and PLE of a synthetic preset: those modes only
         args.mtp = args.ple = False

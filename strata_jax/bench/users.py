@@ -49,7 +49,8 @@ def bench_model(args) -> LoadedModel:
     if args.model_dir:
         if args.routing != "uniform":
             raise ValueError("--routing zipf needs a synthetic model (--preset)")
-        quant = {"quantize": "1bit", "planes": args.planes, "group": args.group} if args.planes else {}
+        repack = getattr(args, "repack", bool(args.planes))
+        quant = {"quantize": "1bit", "planes": args.planes, "group": args.group} if repack else {}
         return load_model(args.model_dir, dtype=args.dtype, gpu_experts=gpu_experts, **quant, **_mesh_kwargs(args),
                           prefill_attention=getattr(args, "prefill_attention", "auto"))
     # With PLE (step and users modes: --no-ple leaves it out) the preset's layer and a host table

@@ -17,6 +17,7 @@ from flax import nnx
 
 from pallas_kernels import PackedExperts, moe_experts_1bit
 from pallas_kernels.activations import silu
+from pallas_kernels.expert_blocks import experts_by_blocks, sorted_pairs
 from pallas_kernels.fused_router import MAX_TOKENS as FUSED_MAX_TOKENS
 from pallas_kernels.fused_router import fused_route
 from pallas_kernels.fused_matvec import fused_matvec
@@ -115,55 +116,16 @@ def experts_reference(
         act = silu(gu[..., :inter]) * gu[..., inter:]
         out = jnp.einsum("nki,nkhi->nkh", act, down[ids])
         return jnp.einsum("nkh,nk->nh", out.astype(jnp.float32), weights).astype(x.dtype)
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token_of = order // k
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    order, token_of, sizes = sorted_pairs(ids, n_experts)
     xs = xw[token_of]
     if jax.default_backend() == "gpu":
         gu = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), sizes)
         act = (silu(gu[:, :inter]) * gu[:, inter:]).astype(down.dtype)
         out = jax.lax.ragged_dot(act, jnp.swapaxes(down, 1, 2), sizes).astype(jnp.float32)
-    else:
-        out = _experts_by_blocks(xs, sizes, gate_up, down)
+    else:  # XLA:CPU's ragged_dot is a dense product over every expert
+        out = experts_by_blocks(xs, sizes, lambda e: (gate_up[e], down[e]), n_experts)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
-
-
-def _experts_by_blocks(xs: jax.Array, sizes: jax.Array, gate_up: jax.Array, down: jax.Array,
-                       block: int | None = None) -> jax.Array:
-    """Rows xs [M, H] sorted by expert (sizes [E] rows each) through their experts: float32 [M, H].
-
-    XLA:CPU expands `lax.ragged_dot` into a dense product over every expert (E times the work: 16x for the demo,
-    ~70 of a 150 ms prefill chunk on two cores). Here a loop walks blocks of `block` rows of one expert each
-    (ceil(M / block) + E of them at most, a static bound), reads that expert's weights by index and runs its
-    gate/up, SiLU and down on the block alone: the work is the rows' own plus at most one partial block per
-    expert. A block writes `block` rows from its first; rows past its expert's last belong to the next block,
-    which is written later and overwrites them (the output has `block` rows of slack at the end)."""
-    m, h = xs.shape
-    n_experts, two_i, _ = gate_up.shape
-    inter = two_i // 2
-    b = block or min(128, max(8, 1 << (max(1, m // (2 * n_experts)) - 1).bit_length()))  # ~2 blocks per expert
-    n_blocks = -(-m // b) + n_experts
-    per_expert = (sizes + b - 1) // b
-    first_block = jnp.cumsum(per_expert) - per_expert  # [E]
-    first_row = jnp.cumsum(sizes) - sizes
-    j = jnp.arange(n_blocks)
-    expert = jnp.clip(jnp.searchsorted(first_block + per_expert, j, side="right"), 0, n_experts - 1)
-    used = j < jnp.sum(per_expert)
-    start = jnp.where(used, first_row[expert] + (j - first_block[expert]) * b, m)  # unused blocks write the slack
-    x_pad = jnp.concatenate([xs, jnp.zeros((b, h), xs.dtype)])
-
-    def step(i, out):
-        e = expert[i]
-        x = jax.lax.dynamic_slice_in_dim(x_pad, start[i], b)
-        gu = jnp.einsum("bh,oh->bo", x, gate_up[e])
-        act = (silu(gu[:, :inter]) * gu[:, inter:]).astype(down.dtype)
-        y = jnp.einsum("bi,hi->bh", act, down[e]).astype(jnp.float32)
-        return jax.lax.dynamic_update_slice_in_dim(out, y, start[i], 0)
-
-    out = jax.lax.fori_loop(0, n_blocks, step, jnp.zeros((m + b, h), jnp.float32))
-    return out[:m]
 
 
 class Experts(nnx.Module):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 
 from strata_jax.bench.agents import claude_code_first_turns, synthetic_first_turns, tool_result
-from strata_jax.bench.main import main
+from strata_jax.bench.main import build_parser, main, settle_planes
+from strata_jax.bench.users import bench_model
 from strata_jax.demo import DEMO_MODEL
 from strata_jax.tokenizer import Tokenizer
 
@@ -30,6 +32,23 @@ def test_synthetic_first_turns_have_the_requested_structure():
     firsts = synthetic_first_turns(1000, 3, 50, (60, 80), np.random.default_rng(1))
     assert all(60 <= len(f) <= 80 and f[:50] == firsts[0][:50] for f in firsts)
     assert len({f[50:55] for f in firsts}) == 3
+
+
+def _packed(model) -> bool:
+    return any(getattr(leaf, "dtype", None) == np.uint32 for leaf in jax.tree_util.tree_leaves(model.state))
+
+
+def test_a_checkpoint_is_benchmarked_with_its_experts_as_serve_loads_them():
+    """The demo's experts are dense, as `serve` runs them: without --planes the benchmark keeps them so (a 1-bit
+    re-pack made its CPU prefill 1.7x slower than the server's); --planes 1 re-packs them."""
+    def model(*flags):
+        args = build_parser().parse_args(["--mode", "agents", "--model-dir", str(DEMO_MODEL), "--dtype", "float32",
+                                          *flags])
+        settle_planes(args)
+        return bench_model(args)
+
+    assert not _packed(model()) and not _packed(model("--planes", "0"))
+    assert _packed(model("--planes", "1"))
 
 
 def test_tiny_agents_run_on_the_demo_model(tmp_path):

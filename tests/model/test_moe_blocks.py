@@ -1,12 +1,14 @@
-"""Routed experts on dense weights off a GPU (`moe._experts_by_blocks`, XLA:CPU's ragged_dot being a dense product
-over every expert): every row through its own expert, against float64 numpy, with empty experts, experts of many
-blocks and of a partial block, and through `experts_reference` (the model's call) with its routing weights."""
+"""Routed experts off a GPU in blocks of one expert (`pallas_kernels.expert_blocks`; XLA:CPU's ragged_dot is a
+dense product over every expert): every row through its own expert, against float64 numpy, with empty experts,
+experts of many blocks and of a partial block; through `experts_reference` (the model's call) with its routing
+weights; and on packed 1-bit experts, where `moe_experts_1bit` takes this form for more pairs than experts."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.expert_blocks import experts_by_blocks
 from strata_jax.model import moe
 
 
@@ -29,8 +31,9 @@ def test_rows_go_through_their_own_expert(sizes, block):
     xs = rng.normal(size=(m, h)).astype(np.float32)
     gate_up = rng.normal(size=(e, 2 * inter, h)).astype(np.float32) / 3
     down = rng.normal(size=(e, h, inter)).astype(np.float32) / 3
-    got = np.asarray(jax.jit(moe._experts_by_blocks, static_argnums=4)(
-        jnp.asarray(xs), jnp.asarray(sizes, jnp.int32), jnp.asarray(gate_up), jnp.asarray(down), block))
+    gate_up_j, down_j = jnp.asarray(gate_up), jnp.asarray(down)
+    got = np.asarray(jax.jit(lambda x, n: experts_by_blocks(x, n, lambda i: (gate_up_j[i], down_j[i]), e, block))(
+        jnp.asarray(xs), jnp.asarray(sizes, jnp.int32)))
     want = np.concatenate([_numpy_expert(xs[o:o + n].astype(np.float64), gate_up[i].astype(np.float64),
                                          down[i].astype(np.float64))
                            for i, (o, n) in enumerate(zip(np.cumsum([0] + sizes[:-1]), sizes))])
@@ -53,3 +56,22 @@ def test_experts_reference_sums_the_weighted_experts():
             want[i] += w[i, j] * _numpy_expert(x[i:i + 1].astype(np.float64), gate_up[ids[i, j]].astype(np.float64),
                                                down[ids[i, j]].astype(np.float64))[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,k,n_exp,group,planes,routing", [
+    (40, 4, 16, 32, 1, "random"),  # the demo's experts and top-k at a 40-token chunk
+    (33, 3, 5, 32, 2, "crowd"),  # two planes, one expert in every token: many blocks of it
+    (9, 4, 12, 64, 1, "hot"),  # a token routed twice to one expert; experts left empty
+])
+def test_packed_experts_in_blocks_match_float64(t, k, n_exp, group, planes, routing):
+    """More pairs than experts off a GPU: `moe_experts_1bit(impl="xla")` unpacks each expert per block of its rows
+    (moe_experts_1bit_blocks), against float64 numpy on the dequantized planes, as the per-pair XLA form is."""
+    import pallas_kernels as pk
+    from kernels.test_onebit_kernel import make_case, numpy_reference, rel_err
+
+    x, ids, w, gu, dn = make_case(t + n_exp, 64, 96, n_exp, t, k, group, planes, routing)
+    assert ids.size > n_exp
+    want = numpy_reference(x, ids, w, gu, dn)
+    got = jax.jit(lambda *a: pk.moe_experts_1bit(*a, gu, dn, impl="xla"))(x, ids, w)
+    per_pair = pk.moe_experts_1bit_xla(x, ids, w, pk.as_packed(gu), pk.as_packed(dn))
+    assert rel_err(got, want) < 1e-5 and rel_err(per_pair, want) < 1e-5
