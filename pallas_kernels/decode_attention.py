@@ -203,12 +203,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
                          "[B, T, Hk, G, D], k and v [B, Hk, S, D], mask [B, T, S])")
     quantized = check_kv_scales(k, v, k_scale, v_scale)
     scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
-    # "auto" reads quantized caches with the jnp form until the kernel's GPU check passes. That check failed on the
-    # H200 (2026-12-02: max |error| 0.12-0.21 against an absolute 0.05) on its bound, not on the kernel: the outputs
-    # reach |37|, where bf16 itself rounds by up to 0.12, and the interpreter errs the same 0.12-0.21 (the jnp form:
-    # 0.6-1.2, its scores rounded to bf16). The check now bounds the error by bf16 rounding
-    # (tests/kernels/test_kv_quant.py, `_check_against_float64`); not yet re-run on a GPU.
-    if resolve_impl(impl, t, d, s) == "jnp" or (quantized and impl == "auto"):
+    # Quantized caches too: the kernel's error stays within bf16 rounding (tests/kernels/test_kv_quant.py,
+    # `_check_against_float64`; passed on the H200 2026-12-02 16:30 UTC), 5-6x less on average than the jnp form,
+    # which rounds the scores to bf16 first.
+    if resolve_impl(impl, t, d, s) == "jnp":
         return attention_jnp(q, k, v, mask, *scales)
     if bsz * t * s >= 2**31:  # the kernel addresses the flattened mask with int32 offsets
         if impl == "auto":

@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode_attention import check_kv_scales
 from pallas_kernels.prefill_attention import _check, prefill_attention
-from pallas_kernels.prefill_cudnn import cudnn_prefill
+from pallas_kernels.prefill_cudnn import cudnn_applies, cudnn_prefill
 
 _NEG = -1e30  # the running max before any key: finite, so that exp(_NEG - m) is 0 rather than NaN
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -231,13 +231,28 @@ def flash_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_
 PREFILL_IMPLS = ("auto", "jnp", "pallas", "cudnn")
 
 
-def resolve_prefill_impl(impl: str, head_dim: int, ctx: int, chosen: jax.Array | None, quantized: bool) -> str:
-    """Which form `attend_prefill` runs: "auto" is the jnp form (the kernel and cuDNN are not yet measured against
-    it on the H200: docs/PERF.md, "Prefill attention kernel"); "pallas" the kernel where it takes the shapes
-    (`kernel_supports`); "cudnn" `prefill_cudnn.cudnn_prefill` for plain causal chunks over a float cache (no QSA
-    selection); the jnp form wherever the choice does not apply."""
+def auto_takes_cudnn() -> bool:
+    """Whether "auto" sends plain chunks to cuDNN: on Hopper GPUs (compute capability 9.x), where it measured 3.7-4.2x
+    the jnp form and 62-98% of the matmul floor at 2K-60K cached tokens (docs/PERF.md, "Prefill attention kernel").
+    Other GPUs keep the jnp form until measured (cuDNN's fused attention takes head dim 256 only on some)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def resolve_prefill_impl(impl: str, head_dim: int, ctx: int, chosen: jax.Array | None, quantized: bool,
+                         dtype=None) -> str:
+    """Which form `attend_prefill` runs: "auto" is cuDNN where `cudnn_applies` (bf16 / fp16, no QSA selection, a
+    float cache) on a GPU where it was measured (`auto_takes_cudnn`), else the jnp form (the Pallas kernel measured
+    1.2-1.8x the jnp form on causal chunks, below cuDNN; with a selection or a quantized cache it is not yet
+    measured); "pallas" the kernel where it takes the shapes (`kernel_supports`); "cudnn" `prefill_cudnn.cudnn_prefill`
+    for plain causal chunks over a float cache (no QSA selection); the jnp form wherever the choice does not apply.
+    `dtype`: the queries' (for "auto"; None: not cuDNN)."""
     if impl not in PREFILL_IMPLS:
         raise ValueError(f"prefill attention impl must be one of {', '.join(PREFILL_IMPLS)}, got {impl!r}")
+    if impl == "auto":
+        takes = dtype is not None and cudnn_applies(dtype, chosen, quantized) and auto_takes_cudnn()
+        return "cudnn" if takes else "jnp"
     if impl == "pallas" and kernel_supports(head_dim, ctx):
         return "pallas"
     if impl == "cudnn" and chosen is None and not quantized:
@@ -254,7 +269,7 @@ def attend_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n
     written to the cache, which the cuDNN form reads instead of the cache (needed for "cudnn"). Off a GPU the kernel
     runs in Pallas interpret mode (tests) and the cuDNN form through XLA's implementation."""
     quantized = k_scale is not None
-    chosen_impl = resolve_prefill_impl(impl, q.shape[-1], k.shape[2], chosen, quantized)
+    chosen_impl = resolve_prefill_impl(impl, q.shape[-1], k.shape[2], chosen, quantized, q.dtype)
     if chosen_impl == "cudnn" and k_new is None:
         raise ValueError("the cuDNN prefill attention needs the chunk's own keys and values (k_new, v_new)")
     if chosen_impl == "pallas":

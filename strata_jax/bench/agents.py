@@ -20,6 +20,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from importlib import resources
 
 import jax
@@ -183,8 +184,9 @@ def agents_context(args, longest_first: int) -> int:
     return args.ctx or needed
 
 
-def run_agents(args, model: LoadedModel) -> list[dict]:
-    """Runs each session count of `args.sessions` on one engine; returns one row per count."""
+def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Runs each session count of `args.sessions` on one engine; returns one row per count. `on_row(rows)` after
+    each count (the JSON file is rewritten then, so a run cut by a time limit keeps its finished rows)."""
     rng = np.random.default_rng(args.agents_seed)
     counts = list(args.sessions)
     inputs = {n: _inputs(args, model, n, run, rng) for run, n in enumerate(counts)}
@@ -213,6 +215,8 @@ def run_agents(args, model: LoadedModel) -> list[dict]:
             wall = time.perf_counter() - started
             rows.append(_row(n, args, config, sessions, wall, before, engine.stats()))
             _print_row(rows[-1])
+            if on_row is not None:
+                on_row(rows)
     finally:
         engine.shutdown()
     return rows
@@ -251,7 +255,19 @@ def _row(n: int, args, config: EngineConfig, sessions: list[list[dict]], wall: f
         "prefill_deferred": delta("prefill_deferred_total"),
         "max_decode_stall_s": after.get("max_decode_stall_seconds"),
         "measured_on": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+        "timeline": _timeline(sessions),
     }
+
+
+def _timeline(sessions: list[list[dict]]) -> list[dict]:
+    """Every turn in submission order, seconds from the first submission: when it was submitted, its first token
+    and its last, with its prompt and cached tokens (where a scheduling policy shows: who waited behind whom)."""
+    t0 = min(r["submitted"] for turns in sessions for r in turns)
+    rows = [{"session": i, "kind": r["kind"], "submitted_s": r["submitted"] - t0, "first_token_s": r["first"] - t0,
+             "last_token_s": (r["times"][-1] if r["times"] else r["first"]) - t0,
+             "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached"], "answer_tokens": len(r["ids"])}
+            for i, turns in enumerate(sessions) for r in turns]
+    return sorted(rows, key=lambda r: r["submitted_s"])
 
 
 def _s(v: float | None, fmt: str = ".2f") -> str:

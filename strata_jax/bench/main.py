@@ -397,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
     model.add_argument("--prefill-attention", choices=PREFILL_ATTENTION_IMPLS, default="auto",
                        help="how prompt chunks attend (users, prefill, agents modes; `serve --prefill-attention`): "
-                            "auto (today: jnp), jnp, pallas (the flash-style kernel), cudnn")
+                            "auto (cudnn where it applies on a Hopper GPU, else jnp), jnp, pallas (the flash-style "
+                            "kernel), cudnn")
     model.add_argument("--cache-dtype", default=None, metavar="DTYPE[,DTYPE...]",
                        help="KV cache dtype: bf16, float32, int8 or fp8 (EngineConfig.cache_dtype; int8 / fp8 "
                             "quantize K and V with a scale per position and kv head). Step mode takes a comma "
@@ -530,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_gguf(args)
         print_gguf_table(rows)
     elif args.mode == "agents":  # multi-turn agent sessions sharing a prefix (strata_jax/bench/agents.py)
-        rows = run_agents(args, bench_model(args))
+        on_row = (lambda done: _write_json(args.json, done)) if args.json else None
+        rows = run_agents(args, bench_model(args), on_row)
         print_agents_table(rows)
     elif args.mode == "fuzz":  # hostile bodies against a real server (strata_jax/bench/fuzz.py)
         report = run_fuzz(args)

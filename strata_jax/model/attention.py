@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.decode_attention import MAX_TOKENS, decode_attention, quantize_kv
-from pallas_kernels.flash_prefill import attend_prefill
+from pallas_kernels.flash_prefill import attend_prefill, resolve_prefill_impl
 from pallas_kernels.prefill_attention import dense_mask, prefill_attention
 from pallas_kernels.selected_attention import selected_attention
 from strata_jax.model.config import ModelConfig
@@ -238,14 +238,20 @@ class Attention(nnx.Module):
                                                        as_ids=gathered)
 
         q = q.reshape(bsz, t, kvh, group, d)
+        # A cache of at most the budget's blocks has every complete block chosen: plain causal attention, which
+        # cuDNN can take.
+        plain = chosen is None or s // c <= cfg.indexer_budget // c
+        form = "jnp"
+        if t > MAX_TOKENS and not gathered:
+            form = resolve_prefill_impl(cfg.prefill_attention_impl, d, s, None if plain else chosen, bool(scales),
+                                        q.dtype)
         if gathered:
             out = selected_attention(q, k_all, v_all, start, chosen, c, **scales)
-        elif named_kernel:
-            # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl). A cache of at most the
-            # budget's blocks has every complete block chosen: plain causal attention, which cuDNN can take.
-            plain = chosen is None or s // c <= cfg.indexer_budget // c
+        elif form != "jnp":
+            # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl; "auto" picks cuDNN for
+            # plain chunks on the GPUs where it was measured).
             out = attend_prefill(q, k_all, v_all, start, chosen=None if plain else chosen, compress_ratio=c,
-                                 impl=cfg.prefill_attention_impl, k_new=k, v_new=v, **scales)
+                                 impl=form, k_new=k, v_new=v, **scales)
         elif t > MAX_TOKENS:
             # Prefill: a loop over the filled key blocks, masks built per block (no [B, T, S] array).
             out = prefill_attention(q, k_all, v_all, start, chosen=chosen, compress_ratio=c, **scales)

@@ -20,7 +20,7 @@ _WRAPPERS = {"qwen4_exp", "qwen3_5_moe"}
 LINEAR = "linear_attention"
 ATTENTION = "full_attention"
 # How a prefill chunk's attention runs (pallas_kernels.flash_prefill.PREFILL_IMPLS; kept equal by a test): "auto"
-# (the jnp form until the H200 measures the others faster), "jnp", "pallas" (the flash-style kernel), "cudnn".
+# (cuDNN for plain chunks on Hopper GPUs, else the jnp form), "jnp", "pallas" (the flash-style kernel), "cudnn".
 PREFILL_ATTENTION_IMPLS = ("auto", "jnp", "pallas", "cudnn")
 
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from strata_jax.bench.agents import claude_code_first_turns, synthetic_first_turns, tool_result
+from strata_jax.bench import main as bench_main
 from strata_jax.bench.main import build_parser, main, settle_planes
 from strata_jax.bench.users import bench_model
 from strata_jax.demo import DEMO_MODEL
@@ -51,8 +52,12 @@ def test_a_checkpoint_is_benchmarked_with_its_experts_as_serve_loads_them():
     assert _packed(model("--planes", "1"))
 
 
-def test_tiny_agents_run_on_the_demo_model(tmp_path):
+def test_tiny_agents_run_on_the_demo_model(tmp_path, monkeypatch):
     out = tmp_path / "agents.json"
+    written = []  # the rows in the JSON file at each write: one write per session count, then the final one
+    real_write = bench_main._write_json
+    monkeypatch.setattr(bench_main, "_write_json", lambda path, rows: (written.append(len(rows)),
+                                                                        real_write(path, rows)))
     argv = ["--mode", "agents", "--sessions", "1,2", "--turns", "1", "--first-turn", "synthetic",
             "--shared-tokens", "48", "--first-tokens", "64,72", "--tool-tokens", "8,12", "--answer-tokens", "4,6",
             "--prefill-chunks", "16,32", "--stagger-s", "0.1", "--share-min-tokens", "16", "--snapshot-every", "32",
@@ -60,10 +65,16 @@ def test_tiny_agents_run_on_the_demo_model(tmp_path):
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["sessions"] for r in rows] == [1, 2]
+    assert written == [1, 2, 2]  # a run cut during the second count would have kept the first's row
     for r in rows:
         assert r["turns"] == 2 and r["ttft_first_p95_s"] > 0 and r["ttft_later_p95_s"] > 0
         assert r["aggregate_tok_s"] > 0 and r["snapshots_taken"] > 0
         assert r["decode_tok_s_otherwise"] > 0
+        turns = r["timeline"]
+        assert len(turns) == 2 * r["sessions"] and {t["kind"] for t in turns} == {"first", "later"}
+        assert all(0 <= t["submitted_s"] < t["first_token_s"] <= t["last_token_s"] for t in turns)
+        firsts = [t["first_token_s"] - t["submitted_s"] for t in turns if t["kind"] == "first"]
+        assert min(firsts) - 1e-9 <= r["ttft_first_p50_s"] <= max(firsts) + 1e-9
     # Each later turn resumes its own conversation; the second session resumes the first one's common prefix.
     assert rows[0]["prefix_cache_hit_tokens"] >= 64
     assert rows[1]["prefix_cache_hit_tokens"] >= 2 * 64 + 32

@@ -176,10 +176,32 @@ def test_cudnn_form_matches_float64():
     assert np.all(got[3] == 0) and np.abs(got[2]).max() > 0.1  # nothing seen; the prefix alone
 
 
+class _Device:
+    def __init__(self, capability: str):
+        self.compute_capability = capability
+
+
+@pytest.mark.parametrize("capability, dtype, selected, quantized, want", [
+    ("9.0", jnp.bfloat16, False, False, "cudnn"),  # Hopper, where cuDNN measured 3.7-4.2x the jnp form
+    ("9.0", jnp.float16, False, False, "cudnn"),
+    ("9.0", jnp.float32, False, False, "jnp"),  # cuDNN's fused attention wants 16-bit operands
+    ("9.0", jnp.bfloat16, True, False, "jnp"),  # a QSA selection: no dense mask for cuDNN
+    ("9.0", jnp.bfloat16, False, True, "jnp"),  # int8 / fp8 cache
+    ("8.6", jnp.bfloat16, False, False, "jnp"),  # not measured there
+    ("12.0", jnp.bfloat16, False, False, "jnp"),
+])
+def test_auto_takes_cudnn_for_plain_chunks_on_hopper(monkeypatch, capability, dtype, selected, quantized, want):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device(capability)])
+    chosen = jnp.zeros((1, 20, 16), bool) if selected else None
+    assert fp.resolve_prefill_impl("auto", 256, 4096, chosen, quantized, dtype) == want
+    assert fp.resolve_prefill_impl("auto", 256, 4096, None, False, None) == "jnp"  # dtype unknown
+
+
 def test_selector():
     assert fp.PREFILL_IMPLS == PREFILL_ATTENTION_IMPLS
     chosen = jnp.zeros((1, 20, 16), bool)
-    assert fp.resolve_prefill_impl("auto", 256, 4096, None, False) == "jnp"  # until the H200 measures the others
+    assert fp.resolve_prefill_impl("auto", 256, 4096, None, False, jnp.bfloat16) == "jnp"  # no GPU here
     assert fp.resolve_prefill_impl("pallas", 256, 4096, chosen, True) == "pallas"
     assert fp.resolve_prefill_impl("pallas", 96, 4096, None, False) == "jnp"  # not a power-of-two head dim
     assert fp.resolve_prefill_impl("pallas", 256, 32, None, False) == "jnp"  # a cache shorter than a key block
