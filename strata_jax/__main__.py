@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from strata_jax.compile_cache import default_cache_dir
 from strata_jax.demo import DEMO_MODEL
 from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT
 from strata_jax.model.config import PREFILL_ATTENTION_IMPLS
@@ -150,8 +151,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     def load_engine():
         from strata_jax import load_model
+        from strata_jax.compile_cache import enable_compile_cache
         from strata_jax.engine import Engine, EngineConfig
 
+        cache_dir = enable_compile_cache(args.compile_cache)
+        if cache_dir is not None:
+            print(f"compile cache: {cache_dir} (--compile-cache off: none)", flush=True)
         started = time.monotonic()
         print(f"loading {model_dir} ({dtype}) ...", flush=True)
         mesh = mesh_of(args)
@@ -334,6 +339,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU; the backend is read by "
                      "the start-up device probe)")
     srv.add_argument("--cache-dtype", choices=CACHE_DTYPE_CHOICES, default=None, help=CACHE_DTYPE_HELP)
+    srv.add_argument("--compile-cache", default=default_cache_dir(), metavar="DIR|off",
+                     help="keep the compiled step functions in DIR so that a restart loads them instead of compiling "
+                          "again (jax's persistent compilation cache; ~250 s of compiling for Flash-Next on an H200); "
+                          "off: compile every start")
     srv.add_argument("--prefill-attention", choices=PREFILL_ATTENTION_IMPLS, default="auto",
                      help=PREFILL_ATTENTION_HELP)
     srv.add_argument("--fused-decode", action="store_true",

@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "strata_jax.model": 1,
     "strata_jax.tokenizer": 1,
     "strata_jax.cli_help": 1,
+    "strata_jax.compile_cache": 1,
     "strata_jax.weights": 2,
     "strata_jax.host": 2,
     "strata_jax.demo": 2,

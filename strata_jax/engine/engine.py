@@ -80,6 +80,13 @@ class Engine:
                 print(f"constrained decoding unavailable: {exc}", file=sys.stderr, flush=True)
         self._output.start()
         self._scheduler.start()
+        width, prompts = self._scheduler.policy.mixed
+        why = ("as configured" if self.config.mixed_prefill is not None
+               else f"calls of <= {self.config.mixed_step_ms:g} ms at warm-up")
+        share = f"at most {1 - self.config.decode_share:.0%}" if self.config.decode_share > 0 else "all"
+        print(f"engine: beside decoding slots, prompts prefill in pieces of up to {width} tokens x {prompts} "
+              f"prompt{'s' if prompts != 1 else ''} "
+              f"({why}) in {share} of the engine's time", file=sys.stderr, flush=True)
         self._started = True
         if self.config.watchdog_s > 0:
             threading.Thread(target=self._watch, name="strata-watchdog", daemon=True).start()

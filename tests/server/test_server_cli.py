@@ -42,12 +42,13 @@ def _wait_for(q, pattern, timeout, seen):
     raise AssertionError(f"no line matching {pattern!r}; output so far:\n{''.join(seen)}")
 
 
-def test_serve_cli_end_to_end():
+def test_serve_cli_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("STRATA_API_KEY", None)
+    cache = tmp_path / "xla"
     proc = subprocess.Popen(
         [sys.executable, "-m", "strata_jax", "serve", "--port", "0", "--slots", "2", "--ctx", "256",
-         "--served-name", "demo"],
+         "--served-name", "demo", "--compile-cache", str(cache)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     seen = []
@@ -59,6 +60,8 @@ def test_serve_cli_end_to_end():
         listening = _wait_for(q, r"^listening on (http://\S+)$", 300, seen).group(1)
         assert listening == url
         assert sum("listening on" in line for line in seen) == 1
+        assert any(f"compile cache: {cache}" in line for line in seen)
+        assert any(cache.iterdir()), "the warm-up's compiled steps were not kept for the next start"
         assert httpx.get(url + "/health").status_code == 200
         c = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in c.models.list().data] == ["demo"]
