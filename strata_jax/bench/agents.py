@@ -10,13 +10,16 @@ arrive `--stagger-s` apart (`--together`: at once).
 Reported per session count: time to first token p50 / p95 by turn kind (first / later), each session's decode
 tok/s while other sessions prefill (and while none does), aggregate tok/s, prefix-cache hit tokens, and the prefix
 cache's snapshot time and memory (engine stats). One engine with max(--sessions) slots serves every count (as one
-server would); each count's conversations start with a different token, so no count reuses another's prefixes.
+server would), under each pacing of prefill beside decoding given (`--decode-share`, `--mixed-step-ms`: changed on the
+running engine, no compile); each run's conversations start with a different token, so no run reuses another's
+prefixes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import time
@@ -50,10 +53,13 @@ def agents_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--answer-tokens", default="50,500", type=ints, help="MIN,MAX tokens generated per turn")
     g.add_argument("--stagger-s", type=float, default=2.0, help="seconds between session arrivals")
     g.add_argument("--together", action="store_true", help="every session arrives at once (--stagger-s 0)")
-    g.add_argument("--decode-share", type=float, default=None,
-                   help="EngineConfig.decode_share (default the engine's: 0.7)")
-    g.add_argument("--mixed-step-ms", type=float, default=None,
-                   help="EngineConfig.mixed_step_ms (default the engine's: 100)")
+    floats = lambda v: tuple(float(x) for x in v.split(","))  # noqa: E731
+    g.add_argument("--decode-share", type=floats, default=None, metavar="SHARE[,SHARE...]",
+                   help="EngineConfig.decode_share (default the engine's: 0.7); several: each session count runs "
+                        "under each, on the same engine (no compile in between)")
+    g.add_argument("--mixed-step-ms", type=floats, default=None, metavar="MS[,MS...]",
+                   help="EngineConfig.mixed_step_ms (default the engine's: 100); several: as --decode-share (every "
+                        "pair of the two lists)")
     g.add_argument("--prefix-cache-device-mib", type=int, default=0,
                    help="EngineConfig.prefix_cache_device_mib: device memory for recent snapshots (default 0)")
     g.add_argument("--share-min-tokens", type=int, default=None,
@@ -185,24 +191,27 @@ def agents_context(args, longest_first: int) -> int:
 
 
 def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
-    """Runs each session count of `args.sessions` on one engine; returns one row per count. `on_row(rows)` after
-    each count (the JSON file is rewritten then, so a run cut by a time limit keeps its finished rows)."""
+    """Runs each session count of `args.sessions` on one engine, under each pacing (`--decode-share` x
+    `--mixed-step-ms`); returns one row per (pacing, count). `on_row(rows)` after each (the JSON file is rewritten
+    then, so a run cut by a time limit keeps its finished rows)."""
     rng = np.random.default_rng(args.agents_seed)
-    counts = list(args.sessions)
-    inputs = {n: _inputs(args, model, n, run, rng) for run, n in enumerate(counts)}
-    ctx = agents_context(args, max(len(f) for firsts, _, _ in inputs.values() for f in firsts))
-    extra = {k: v for k, v in (("decode_share", args.decode_share), ("mixed_step_ms", args.mixed_step_ms),
+    pacings = list(itertools.product(args.decode_share or (None,), args.mixed_step_ms or (None,)))
+    runs = [(pacing, n) for pacing in pacings for n in args.sessions]
+    # Each run's conversations start with a token of its own: no run reuses another's prefixes.
+    inputs = [_inputs(args, model, n, run, rng) for run, (_, n) in enumerate(runs)]
+    ctx = agents_context(args, max(len(f) for firsts, _, _ in inputs for f in firsts))
+    extra = {k: v for k, v in (("decode_share", pacings[0][0]), ("mixed_step_ms", pacings[0][1]),
                                ("share_min_tokens", args.share_min_tokens), ("snapshot_every", args.snapshot_every))
              if v is not None}
-    config = EngineConfig(slots=max(counts), max_context=ctx, prefill_chunks=args.prefill_chunks,
+    config = EngineConfig(slots=max(args.sessions), max_context=ctx, prefill_chunks=args.prefill_chunks,
                           prefill_batch=args.prefill_batch, prefix_cache_mib=args.prefix_cache_mib,
                           prefix_cache_device_mib=args.prefix_cache_device_mib, **extra)
     engine = Engine(model, config)
     engine.start()
     rows = []
     try:
-        for n in counts:
-            firsts, tools, answers = inputs[n]
+        for ((share, step_ms), n), (firsts, tools, answers) in zip(runs, inputs):
+            engine.set_prefill_pacing(decode_share=share, mixed_step_ms=step_ms)
             stagger = 0.0 if args.together else args.stagger_s
             before = engine.stats()
 
@@ -213,7 +222,7 @@ def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | 
             started = time.perf_counter()
             sessions = asyncio.run(all_sessions())
             wall = time.perf_counter() - started
-            rows.append(_row(n, args, config, sessions, wall, before, engine.stats()))
+            rows.append(_row(n, args, engine.config, sessions, wall, before, engine.stats()))
             _print_row(rows[-1])
             if on_row is not None:
                 on_row(rows)
@@ -233,7 +242,8 @@ def _row(n: int, args, config: EngineConfig, sessions: list[list[dict]], wall: f
     return {
         "sessions": n, "turns": args.turns + 1, "together": bool(args.together or args.stagger_s == 0),
         "slots": config.slots, "ctx": config.max_context, "prefill_chunks": list(config.prefill_chunks),
-        "prefill_batch": config.prefill_batch,
+        "prefill_batch": config.prefill_batch, "decode_share": config.decode_share,
+        "mixed_step_ms": config.mixed_step_ms,
         "mixed_prefill": [after.get("mixed_prefill_width"), after.get("mixed_prefill_prompts")],
         "first_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in turns if r["kind"] == "first"),
         **{f"ttft_{k}_p{q}_s": _pct(v, q / 100) for k, v in ttft.items() for q in (50, 95)},
@@ -275,7 +285,8 @@ def _s(v: float | None, fmt: str = ".2f") -> str:
 
 
 def _print_row(r: dict) -> None:
-    print(f"agents {r['sessions']}: first-turn TTFT p50/p95 {_s(r['ttft_first_p50_s'])}/{_s(r['ttft_first_p95_s'])} s, "
+    print(f"agents {r['sessions']} (decode share {r['decode_share']:g}, mixed step {r['mixed_step_ms']:g} ms): "
+          f"first-turn TTFT p50/p95 {_s(r['ttft_first_p50_s'])}/{_s(r['ttft_first_p95_s'])} s, "
           f"later {_s(r['ttft_later_p50_s'])}/{_s(r['ttft_later_p95_s'])} s, decode "
           f"{_s(r['decode_tok_s_while_others_prefill'], '.1f')} tok/s while others prefill "
           f"({_s(r['decode_tok_s_otherwise'], '.1f')} otherwise), aggregate {r['aggregate_tok_s']:.1f} tok/s, "
@@ -286,12 +297,15 @@ def print_agents_table(rows: list[dict]) -> None:
     """The rows as a markdown table."""
     print(f"\nMeasured on {rows[0]['measured_on'] if rows else '-'}; one engine of {rows[0]['slots'] if rows else '-'} "
           "slots serves every count.")
-    print("\n| sessions | first TTFT p50 / p95 s | later TTFT p50 / p95 s | decode tok/s while others prefill "
-          "(otherwise) | aggregate tok/s | cached / prompt tokens | snapshots (s, MiB held) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| sessions | pacing: decode share, mixed step ms (pieces) | first TTFT p50 / p95 s | later TTFT p50 / "
+          "p95 s | decode tok/s while others prefill (otherwise) | aggregate tok/s | cached / prompt tokens "
+          "| snapshots (s, MiB held) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         held = (r["prefix_cache_bytes"] or 0) / 2**20
-        print(f"| {r['sessions']} | {_s(r['ttft_first_p50_s'])} / {_s(r['ttft_first_p95_s'])} "
+        width, prompts = r["mixed_prefill"]
+        print(f"| {r['sessions']} | {r['decode_share']:g}, {r['mixed_step_ms']:g} ({width} x {prompts}) "
+              f"| {_s(r['ttft_first_p50_s'])} / {_s(r['ttft_first_p95_s'])} "
               f"| {_s(r['ttft_later_p50_s'])} / {_s(r['ttft_later_p95_s'])} "
               f"| {_s(r['decode_tok_s_while_others_prefill'], '.1f')} ({_s(r['decode_tok_s_otherwise'], '.1f')}) "
               f"| {r['aggregate_tok_s']:.1f} | {r['prefix_cache_hit_tokens']:,} / {r['prompt_tokens']:,} "

@@ -5,6 +5,7 @@ scheduler deciding, the model runner executing) and the output thread (detokeniz
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import numbers
 import secrets
@@ -208,6 +209,15 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         self._scheduler.cancel(request_id)
+
+    def set_prefill_pacing(self, decode_share: float | None = None, mixed_step_ms: float | None = None) -> None:
+        """Changes how prompts prefill beside decoding slots (`EngineConfig.decode_share`, `mixed_step_ms`; None
+        keeps the current value) without compiling anything: the warm-up's shapes stay, the choice among them and the
+        share of time change from the engine's next iteration on. ValueError for values EngineConfig refuses."""
+        changes = {k: v for k, v in (("decode_share", decode_share), ("mixed_step_ms", mixed_step_ms))
+                   if v is not None}
+        self.config = dataclasses.replace(self.config, **changes)
+        self._scheduler.set_pacing(self.config)
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges for /metrics (see `EngineProtocol.stats`), with the watchdog's."""

@@ -53,6 +53,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache(config.prefix_cache_mib << 20, kv_block=c,
                                         device_budget_bytes=config.prefix_cache_device_mib << 20)
         self.policy = PrefillPolicy(config)
+        self._pacing: EngineConfig | None = None  # a new policy's config, taken up by the engine thread (set_pacing)
         self.snapshot_seconds = 0.0  # engine-thread time spent taking prefix snapshots
         self.kv_len = runner.cache.max_len
         self.counters = collections.Counter()
@@ -115,6 +116,13 @@ class Scheduler:
             self._cancelled.add(request_id)
             self._cond.notify_all()
 
+    def set_pacing(self, config: EngineConfig) -> None:
+        """Prefill beside decoding follows `config`'s decode_share, mixed_step_ms and mixed_prefill from the next
+        iteration on (the compiled shapes stay; the choice among them changes)."""
+        with self._cond:
+            self._pacing = config
+            self._cond.notify_all()
+
     def end(self, stream: RequestStream, kept: int | None) -> None:
         """Frees the slot of a request whose output already ended (a stop string matched after `kept` of its
         tokens; None: its output failed); no event is sent."""
@@ -163,6 +171,10 @@ class Scheduler:
                     break
                 cancelled, self._cancelled = self._cancelled, set()
                 ended, self._ended = self._ended, {}
+                pacing, self._pacing = self._pacing, None
+                if pacing is not None:
+                    self.policy = PrefillPolicy(pacing)
+                    self.policy.warmed_up(self.runner.step_seconds)
                 self._drop_cancelled_queued(cancelled)
                 self.busy_since = time.monotonic()
             try:

@@ -151,3 +151,29 @@ def test_cancelling_mid_prefill_frees_the_slot_and_its_snapshot_memory(engine, m
     monkeypatch.undo()
     p = random_prompt(331, 20)  # the slot serves the next request exactly
     assert tokens(asyncio.run(collect(engine, p))) == greedy(model, p, 8)
+
+
+def test_pacing_changes_on_a_running_engine(engine, model):
+    """`set_prefill_pacing` takes effect without a new engine: with no decode share prefill is never deferred
+    beside a decoding slot; with 95% it is; tokens stay exact either way; a share EngineConfig refuses is refused
+    and changes nothing."""
+    deferred = []
+    try:
+        for i, share in enumerate((0.0, 0.95)):
+            decoder, prompt = random_prompt(330 + i, 10), random_prompt(340 + i, 100)  # nothing cached
+
+            async def both():
+                return await asyncio.gather(collect(engine, decoder, max_tokens=140),
+                                            collect(engine, prompt, delay=0.05, max_tokens=4))
+
+            engine.set_prefill_pacing(decode_share=share)
+            before = engine.stats()["prefill_deferred_total"]
+            first, second = asyncio.run(both())
+            assert tokens(first) == greedy(model, decoder, 140) and tokens(second) == greedy(model, prompt, 4)
+            deferred.append(engine.stats()["prefill_deferred_total"] - before)
+        assert deferred[0] == 0 and deferred[1] > 0, deferred
+        with pytest.raises(ValueError, match="decode_share"):
+            engine.set_prefill_pacing(decode_share=1.0)
+        assert engine.config.decode_share == 0.95
+    finally:
+        engine.set_prefill_pacing(decode_share=0.5)
