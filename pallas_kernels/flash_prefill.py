@@ -233,7 +233,8 @@ PREFILL_IMPLS = ("auto", "jnp", "pallas", "cudnn")
 
 def auto_takes_cudnn() -> bool:
     """Whether "auto" sends plain chunks to cuDNN: on Hopper GPUs (compute capability 9.x), where it measured 3.7-4.2x
-    the jnp form and 62-98% of the matmul floor at 2K-60K cached tokens (docs/PERF.md, "Prefill attention kernel").
+    the jnp form and 62-98% of the matmul floor at 2K-60K cached tokens (docs/PERF.md, "Prefill attention: cuDNN
+    for plain chunks, measured").
     Other GPUs keep the jnp form until measured (cuDNN's fused attention takes head dim 256 only on some)."""
     if jax.default_backend() != "gpu":
         return False

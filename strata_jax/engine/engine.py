@@ -85,9 +85,9 @@ class Engine:
         why = ("as configured" if self.config.mixed_prefill is not None
                else f"calls of <= {self.config.mixed_step_ms:g} ms at warm-up")
         share = f"at most {1 - self.config.decode_share:.0%}" if self.config.decode_share > 0 else "all"
-        print(f"engine: beside decoding slots, prompts prefill in pieces of up to {width} tokens x {prompts} "
-              f"prompt{'s' if prompts != 1 else ''} "
-              f"({why}) in {share} of the engine's time", file=sys.stderr, flush=True)
+        pieces = f"{width} tokens x {prompts} prompt{'s' if prompts != 1 else ''}"
+        print(f"engine: beside decoding slots, prompts prefill in pieces of up to {pieces} ({why}) in {share} of the "
+              "engine's time", file=sys.stderr, flush=True)
         self._started = True
         if self.config.watchdog_s > 0:
             threading.Thread(target=self._watch, name="strata-watchdog", daemon=True).start()

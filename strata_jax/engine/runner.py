@@ -332,8 +332,8 @@ class ModelRunner:
             if after_step is not None:
                 after_step(name, counts)
         self._time_steps(jobs)
-        timed = ", ".join(f"{_step_name(n, w, b)} {t * 1e3:.0f} ms" + (f" ({w * b / t:,.0f} tok/s)" if n == "prefill"
-                                                                        else "")
+        rate = lambda n, w, b, t: f" ({w * b / t:,.0f} tok/s)" if n == "prefill" else ""  # noqa: E731
+        timed = ", ".join(f"{_step_name(n, w, b)} {t * 1e3:.0f} ms{rate(n, w, b, t)}"
                           for (n, w, b), t in self.step_seconds.items())
         print(f"warm-up: a call of each (the faster of two): {timed}", file=sys.stderr, flush=True)
         self.write(0, self.read(0))
