@@ -63,16 +63,24 @@ def sorted_pairs(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, ja
     return order, order // k, sizes
 
 
+def run_sorted_by_expert(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, num_experts: int,
+                         run: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """sum_k w_k * expert_k(x) with the (token, expert) pairs sorted by expert: `run(xs, sizes)` takes the pairs'
+    rows [T*k, H] grouped by expert (sizes [E] rows each) and returns their float32 outputs; the weighted sum per
+    token comes back float32 [T, H]."""
+    order, token_of, sizes = sorted_pairs(expert_ids, num_experts)
+    out = run(x[token_of], sizes) * expert_weights.astype(jnp.float32).reshape(-1)[order][:, None]
+    return jnp.zeros((expert_ids.shape[0], x.shape[-1]), jnp.float32).at[token_of].add(out)
+
+
 def moe_experts_1bit_blocks(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up: PackedExperts,
                             down: PackedExperts) -> jax.Array:
     """`moe_experts_1bit` in float32 for many tokens off a GPU: each block unpacks its expert once (the XLA form
     unpacks it per pair). Returns x.dtype [T, H]."""
-    t, _ = expert_ids.shape
-    order, token_of, sizes = sorted_pairs(expert_ids, gate_up.num_experts)
-
     def weights_of(e):
         return dequantize(gate_up, e), dequantize(down, e)
 
-    out = experts_by_blocks(x.astype(jnp.float32)[token_of], sizes, weights_of, gate_up.num_experts)
-    out = out * expert_weights.astype(jnp.float32).reshape(-1)[order][:, None]
-    return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
+    n = gate_up.num_experts
+    out = run_sorted_by_expert(x.astype(jnp.float32), expert_ids, expert_weights, n,
+                               lambda xs, sizes: experts_by_blocks(xs, sizes, weights_of, n))
+    return out.astype(x.dtype)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from pallas_kernels import PackedExperts, moe_experts_1bit
 from pallas_kernels.activations import silu
-from pallas_kernels.expert_blocks import experts_by_blocks, sorted_pairs
+from pallas_kernels.expert_blocks import experts_by_blocks, run_sorted_by_expert
 from pallas_kernels.fused_router import MAX_TOKENS as FUSED_MAX_TOKENS
 from pallas_kernels.fused_router import fused_route
 from pallas_kernels.fused_matvec import fused_matvec
@@ -116,16 +116,17 @@ def experts_reference(
         act = silu(gu[..., :inter]) * gu[..., inter:]
         out = jnp.einsum("nki,nkhi->nkh", act, down[ids])
         return jnp.einsum("nkh,nk->nh", out.astype(jnp.float32), weights).astype(x.dtype)
-    order, token_of, sizes = sorted_pairs(ids, n_experts)
-    xs = xw[token_of]
-    if jax.default_backend() == "gpu":
+
+    def grouped(xs, sizes):
         gu = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), sizes)
         act = (silu(gu[:, :inter]) * gu[:, inter:]).astype(down.dtype)
-        out = jax.lax.ragged_dot(act, jnp.swapaxes(down, 1, 2), sizes).astype(jnp.float32)
-    else:  # XLA:CPU's ragged_dot is a dense product over every expert
-        out = experts_by_blocks(xs, sizes, lambda e: (gate_up[e], down[e]), n_experts)
-    out = out * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
+        return jax.lax.ragged_dot(act, jnp.swapaxes(down, 1, 2), sizes).astype(jnp.float32)
+
+    def blocks(xs, sizes):  # XLA:CPU's ragged_dot is a dense product over every expert
+        return experts_by_blocks(xs, sizes, lambda e: (gate_up[e], down[e]), n_experts)
+
+    run = grouped if jax.default_backend() == "gpu" else blocks
+    return run_sorted_by_expert(xw, ids, weights, n_experts, run).astype(x.dtype)
 
 
 class Experts(nnx.Module):
