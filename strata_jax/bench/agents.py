@@ -192,11 +192,13 @@ def agents_context(args, longest_first: int) -> int:
 
 def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Runs each session count of `args.sessions` on one engine, under each pacing (`--decode-share` x
-    `--mixed-step-ms`); returns one row per (pacing, count). `on_row(rows)` after each (the JSON file is rewritten
-    then, so a run cut by a time limit keeps its finished rows)."""
+    `--mixed-step-ms`), the prefix cache emptied between runs; returns one row per (pacing, count). A lone
+    session runs once, under the first pacing: pacing splits the engine's time between decoding and other slots'
+    prefill, and alone it has no other slots. `on_row(rows)` after each (the JSON file is rewritten then, so a run
+    cut by a time limit keeps its finished rows)."""
     rng = np.random.default_rng(args.agents_seed)
     pacings = list(itertools.product(args.decode_share or (None,), args.mixed_step_ms or (None,)))
-    runs = [(pacing, n) for pacing in pacings for n in args.sessions]
+    runs = [(pacing, n) for i, pacing in enumerate(pacings) for n in args.sessions if n > 1 or i == 0]
     # Each run's conversations start with a token of its own: no run reuses another's prefixes.
     inputs = [_inputs(args, model, n, run, rng) for run, (_, n) in enumerate(runs)]
     ctx = agents_context(args, max(len(f) for firsts, _, _ in inputs for f in firsts))
@@ -210,8 +212,10 @@ def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | 
     engine.start()
     rows = []
     try:
-        for ((share, step_ms), n), (firsts, tools, answers) in zip(runs, inputs):
+        for run, (((share, step_ms), n), (firsts, tools, answers)) in enumerate(zip(runs, inputs)):
             engine.set_prefill_pacing(decode_share=share, mixed_step_ms=step_ms)
+            if run:  # each row starts as a fresh server would: no earlier row's snapshots filling the pools
+                engine.clear_prefix_cache()
             stagger = 0.0 if args.together else args.stagger_s
             before = engine.stats()
 

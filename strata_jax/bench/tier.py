@@ -263,7 +263,6 @@ def _time_prefill(args, cfg, model: LoadedModel, row: dict) -> dict:
     graphdef, state = model.graphdef, model.state
     placement = ExpertPlacement(state, graphdef, PlacementConfig(every=0))
     step = jit_step(prefill_step, graphdef, state)
-    weights = jax.tree_util.tree_leaves(state)
     n, c = args.prefill_tokens, args.prefill_chunk
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, -(-n // c) * c).astype(np.int32)
 
@@ -275,7 +274,9 @@ def _time_prefill(args, cfg, model: LoadedModel, row: dict) -> dict:
             last = start + c >= n
             args_ = prefill_args([0], chunk, [min(c, n - start)], [-1 if last else int(tokens[start + c])],
                                  greedy_sampling(1), (), model.dtype)
-            out = step(weights, cache, *args_)
+            # The weights' leaves re-read per chunk, as the engine's runner does under a placement: they carry the
+            # streaming counters each call adds to (flattened once, every chunk would count from zero).
+            out = step(jax.tree_util.tree_leaves(state), cache, *args_)
             cache = out[2]
             placement.store_counts(out[3])
         np.asarray(out[0])

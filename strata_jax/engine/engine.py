@@ -219,6 +219,12 @@ class Engine:
         self.config = dataclasses.replace(self.config, **changes)
         self._scheduler.set_pacing(self.config)
 
+    def clear_prefix_cache(self) -> None:
+        """Drops every prefix-cache snapshot (host and device pool) before any request submitted after this call
+        is admitted, e.g. between benchmark runs that must not share or evict each other's snapshots. Requests
+        running now keep their slots; later turns of theirs prefill their whole prompt again."""
+        self._scheduler.clear_prefix_cache()
+
     def stats(self) -> dict[str, float]:
         """Counters and gauges for /metrics (see `EngineProtocol.stats`), with the watchdog's."""
         healthy, _ = self.health()

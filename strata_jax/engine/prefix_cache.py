@@ -250,8 +250,8 @@ class PrefixCache:
         self._start_landing(snap)
 
     def _start_landing(self, snap: Snapshot) -> None:
-        for leaf in jax.tree_util.tree_leaves(snap.state):
-            leaf.copy_to_host_async()
+        # The worker starts the copy itself (`_cut`'s np.asarray): a device-to-host copy begun here would allocate
+        # its host buffer on the engine thread (hundreds of MB per snapshot at agent-sized prompts).
         if self._lander is None:
             self._lander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-snapshots")
         snap.pending = True
@@ -328,6 +328,15 @@ class PrefixCache:
     def poll(self) -> int:
         """Takes every snapshot whose copy has landed (no waiting); returns how many are still in flight."""
         return sum(not self._land(s, wait=False) for s in self._pending())
+
+    def clear(self) -> int:
+        """Drops every snapshot, landed, in flight or in the device pool (their memory is freed; a copy the
+        worker is reading this moment goes when it lets go of it). Returns how many were dropped."""
+        every = list(self._by_tokens)
+        for tokens in every:
+            self._remove(tokens)
+        self.counters["dropped"] += len(every)
+        return len(every)
 
     def drop_pending(self, owner: str) -> int:
         """Drops the snapshots in flight taken from request `owner` (cancelled: their device copies are freed now

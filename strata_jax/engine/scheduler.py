@@ -54,6 +54,7 @@ class Scheduler:
                                         device_budget_bytes=config.prefix_cache_device_mib << 20)
         self.policy = PrefillPolicy(config)
         self._pacing: EngineConfig | None = None  # a new policy's config, taken up by the engine thread (set_pacing)
+        self._clear_prefix_cache = False  # clear_prefix_cache(): done by the engine thread before its next iteration
         self.snapshot_seconds = 0.0  # engine-thread time spent taking prefix snapshots
         self.kv_len = runner.cache.max_len
         self.counters = collections.Counter()
@@ -123,6 +124,13 @@ class Scheduler:
             self._pacing = config
             self._cond.notify_all()
 
+    def clear_prefix_cache(self) -> None:
+        """Drops every prefix-cache snapshot before the engine's next iteration (before any request queued after
+        this call is admitted)."""
+        with self._cond:
+            self._clear_prefix_cache = True
+            self._cond.notify_all()
+
     def end(self, stream: RequestStream, kept: int | None) -> None:
         """Frees the slot of a request whose output already ended (a stop string matched after `kept` of its
         tokens; None: its output failed); no event is sent."""
@@ -165,7 +173,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while (not self._stop and not self._queue and not any(self._slots) and not self._cancelled
-                       and not self._ended):
+                       and not self._ended and not self._clear_prefix_cache):
                     self._cond.wait()
                 if self._stop:
                     break
@@ -175,6 +183,9 @@ class Scheduler:
                 if pacing is not None:
                     self.policy = PrefillPolicy(pacing)
                     self.policy.warmed_up(self.runner.step_seconds)
+                if self._clear_prefix_cache:
+                    self._clear_prefix_cache = False
+                    self.prefix_cache.clear()
                 self._drop_cancelled_queued(cancelled)
                 self.busy_since = time.monotonic()
             try:

@@ -82,13 +82,14 @@ def test_tiny_agents_run_on_the_demo_model(tmp_path, monkeypatch):
 
 def test_pacings_run_on_one_engine(tmp_path, capsys):
     """Several --decode-share / --mixed-step-ms values: every session count under each, one engine (one warm-up),
-    each row labelled with the pacing it ran under."""
+    each row labelled with the pacing it ran under; a lone session only under the first pacing."""
     out = tmp_path / "agents.json"
-    argv = ["--mode", "agents", "--sessions", "1", "--turns", "0", "--first-turn", "synthetic", "--shared-tokens",
+    argv = ["--mode", "agents", "--sessions", "1,2", "--turns", "0", "--first-turn", "synthetic", "--shared-tokens",
             "16", "--first-tokens", "40,48", "--answer-tokens", "3,4", "--prefill-chunks", "16", "--together",
             "--decode-share", "0.7,0.2", "--mixed-step-ms", "0,1000", "--json", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["decode_share"], r["mixed_step_ms"]) for r in rows] == [(0.7, 0), (0.7, 1000), (0.2, 0), (0.2, 1000)]
+    assert [(r["decode_share"], r["mixed_step_ms"], r["sessions"]) for r in rows] == [
+        (0.7, 0, 1), (0.7, 0, 2), (0.7, 1000, 2), (0.2, 0, 2), (0.2, 1000, 2)]
     assert capsys.readouterr().err.count("warm-up: compiling") == 1
     assert all(r["ttft_first_p50_s"] > 0 for r in rows)

@@ -177,3 +177,19 @@ def test_pacing_changes_on_a_running_engine(engine, model):
         assert engine.config.decode_share == 0.95
     finally:
         engine.set_prefill_pacing(decode_share=0.5)
+
+
+def test_clearing_the_prefix_cache_drops_every_snapshot(engine, model):
+    """After `clear_prefix_cache` a prompt that extends an earlier one is prefilled whole (no cached tokens, the
+    cache empty), and its tokens stay exact; without it the same prompt resumes from a snapshot."""
+    prompt = random_prompt(350, 70)  # snapshot_every 32: its prefill leaves snapshots at 32 and 64
+    asyncio.run(collect(engine, prompt, max_tokens=2))
+    longer = prompt + random_prompt(351, 6)
+    before = engine.stats()["prefix_cache_hit_tokens_total"]
+    assert tokens(asyncio.run(collect(engine, longer, max_tokens=3))) == greedy(model, longer, 3)
+    assert engine.stats()["prefix_cache_hit_tokens_total"] - before >= 64
+    engine.clear_prefix_cache()
+    before = engine.stats()["prefix_cache_hit_tokens_total"]
+    again = longer + random_prompt(352, 4)
+    assert tokens(asyncio.run(collect(engine, again, max_tokens=3))) == greedy(model, again, 3)
+    assert engine.stats()["prefix_cache_hit_tokens_total"] == before

@@ -130,6 +130,22 @@ def test_the_device_pool_keeps_recent_snapshots_and_moves_older_ones_to_the_host
     assert not all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(states[2]))
 
 
+def test_clear_drops_landed_in_flight_and_device_pool_snapshots():
+    one = sum(x.nbytes for x in jax.tree_util.tree_leaves(_state(0.0, device=True)))
+    cache = PrefixCache(1 << 40, device_budget_bytes=one)
+    cache.insert((1, 2), _state(1.0))
+    in_flight = _state(2.0, device=True)
+    cache.insert_async((3, 4), _state(3.0, device=True))  # the device pool
+    cache.insert_async((3, 5), in_flight)  # pool full: (3, 4) moves to the host, (3, 5) takes the pool
+    assert len(cache) == 3
+    assert cache.clear() == 3
+    assert len(cache) == 0 and cache.bytes == 0 and cache.device_bytes == 0
+    assert cache.lookup((1, 2, 9)) is None and cache.lookup((3, 5, 9)) is None
+    assert cache.match((3, 4, 9)) == (None, 0)  # the tree is pruned to its root
+    cache.insert((1, 2), _state(1.0))  # and works on
+    assert float(cache.lookup((1, 2, 9)).state.lengths[0]) == 1.0
+
+
 def test_a_lookup_lands_a_snapshot_still_in_flight():
     cache = PrefixCache(1 << 40, max_pending=1)
     cache.insert_async((1, 2), _state(1.0, device=True))
