@@ -56,7 +56,8 @@ class EngineConfig:
     prompts) to take instead.
     decode_share: while slots decode, prefill gets at most 1 - this of the engine's time (0 = no pacing).
     prefill_aging_s: waiting prompts run shortest remaining prefill first, a prompt's remaining tokens divided by
-    1 + its seconds since submission / this (nothing starves).
+    1 + its seconds since submission / this; one waiting 3x this or longer runs before all others (nothing
+    starves).
     share_min_tokens: a prompt admitted while another one prefills the same first (at least this many) tokens waits
     for that one's snapshot at the point they part, then restores it: a prefix common to many conversations is
     computed once (0 = off).

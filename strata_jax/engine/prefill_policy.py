@@ -11,9 +11,12 @@ Three rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
   skipped (the decoders step alone) while the prefill time spent since decoding began exceeds that share of the
   decode time. A decoding stream keeps at least `decode_share` of its solo rate, whatever the widths cost.
 - **Order.** Waiting prompts go shortest remaining prefill first (a later turn with a few thousand new tokens on a
-  cached prefix overtakes a fresh 27,000-token first turn), aged so that nothing starves: a prompt's key is its
-  remaining tokens / (1 + seconds since it was submitted / `prefill_aging_s`). Prompts that run together in one
-  call are the first in that order with others of the same compiled width.
+  cached prefix overtakes a fresh 27,000-token first turn), aged: a prompt's key is its remaining tokens / (1 +
+  seconds since it was submitted / `prefill_aging_s`). That alone lets a stream of short prompts hold back a long
+  one for minutes (a 9,000-token tail overtakes a fresh 300-token turn only after 145 s; on the H200 two of eight
+  agents' first turns waited 50 and 60 s), so a prompt waiting `STARVED_AGINGS` x `prefill_aging_s` or longer goes
+  ahead of every other, the longest waiting first. Prompts that run together in one call are the first in that
+  order with others of the same compiled width.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from collections.abc import Mapping, Sequence
 
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.job import Job
+
+
+# Waiting this many prefill_aging_s (15 s at the default 5 s) puts a prompt ahead of every shorter one.
+STARVED_AGINGS = 3.0
 
 
 def mixed_shapes(config: EngineConfig, seconds: Mapping[tuple[str, int, int], float]) -> list[tuple[int, int]]:
@@ -90,12 +97,15 @@ class PrefillPolicy:
         self._credit = min(self._credit + seconds * (1 - share) / share, self.config.mixed_step_ms / 1e3)
 
     def order(self, jobs: Sequence[Job], now: float | None = None) -> list[Job]:
-        """`jobs` (prefilling) in the order their pieces should run: shortest remaining prefill first, aged."""
+        """`jobs` (prefilling) in the order their pieces should run: those waiting `STARVED_AGINGS` agings or longer
+        first, the longest waiting first; then shortest remaining prefill first, aged."""
         now = time.monotonic() if now is None else now
         aging = max(self.config.prefill_aging_s, 1e-9)
 
-        def key(job: Job) -> tuple[float, float]:
+        def key(job: Job) -> tuple[bool, float, float]:
             waited = max(now - job.submitted, 0.0)
-            return (len(job.fill) - job.pos) / (1.0 + waited / aging), job.submitted
+            if waited >= STARVED_AGINGS * aging:
+                return False, job.submitted, 0.0
+            return True, (len(job.fill) - job.pos) / (1.0 + waited / aging), job.submitted
 
         return sorted(jobs, key=key)

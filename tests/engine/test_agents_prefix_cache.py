@@ -168,6 +168,18 @@ def test_order_is_shortest_remaining_first_and_ages():
     assert policy.order([later_turn, old], now=100.0) == [old, later_turn]
 
 
+def test_a_prompt_waiting_three_agings_goes_before_every_shorter_one():
+    """The aged key alone would keep a 9,000-token tail behind fresh 300-token turns for ~145 s; after 3 agings
+    (15 s) it goes first, and among such prompts the longest waiting goes first."""
+    policy = PrefillPolicy(EngineConfig(prefill_aging_s=5.0))
+    tail = _job(25000, submitted=0.0, pos=16000)
+    short = _job(300, submitted=14.0)
+    assert policy.order([short, tail], now=14.9) == [short, tail]  # 14.9 s: 9,000 / 3.98 > 300
+    assert policy.order([short, tail], now=15.0) == [tail, short]
+    older = _job(30000, submitted=-1.0, pos=1000)
+    assert policy.order([short, tail, older], now=15.0) == [older, tail, short]
+
+
 def test_pacing_keeps_the_decoders_share():
     policy = PrefillPolicy(EngineConfig(decode_share=0.75, mixed_step_ms=1000))
     assert policy.may_prefill(decoding=False)

@@ -1,11 +1,8 @@
-"""Streaming experts in the planner (`stream_plan`: streaming or host compute per device, and why) and in the tier
-benchmark (`--host-path stream`, end to end on tiny shapes; no timings asserted)."""
+"""Streaming experts in the planner (`stream_plan`: streaming or host compute per device, and why); the tier
+benchmark's `--host-path stream` end to end: tests/bench/test_bench_tier.py."""
 
 from __future__ import annotations
 
-import json
-
-from strata_jax.bench.main import main
 from strata_jax.bench.synthetic import preset_config
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.planner import make_plan, stream_plan
@@ -40,24 +37,3 @@ def test_stream_plan_chooses_per_device_and_says_why():
     assert stream_plan(plan, engine, "cpu", "stream").host_path == "stream"  # asked for: honoured
     resident, engine = _plan(65536)
     assert stream_plan(resident, engine, "gpu").host_path == "none"
-
-
-def test_tier_mode_streams(tmp_path):
-    out = tmp_path / "tier.json"
-    assert main(["--mode", "tier", "--preset", "tiny", "--dtype", "float32", "--budgets", "all,quarter",
-                 "--slots", "2", "--routing", "zipf", "--ctx", "64", "--fill", "8", "--steps", "2",
-                 "--warm-steps", "4", "--placement-every", "2", "--host-path", "stream", "--compute-budgets",
-                 "quarter", "--copy-slots", "auto,1", "--prefill-tokens", "24", "--prefill-chunk", "16",
-                 "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    decode = [r for r in rows if "tok_s" in r]
-    assert [(r["budget"], r["host_path"], r["copy_slots"]) for r in decode] == [
-        ("all", "none", "auto"), ("quarter", "compute", "auto"), ("quarter", "stream", "auto"),
-        ("quarter", "stream", 1)]
-    resident, compute, *streamed = decode
-    assert resident["streamed_mb"] == 0 and compute["streamed_mb"] == 0 and compute["host_pairs"] > 0
-    assert all(r["streamed_mb"] > 0 and r["host_ms"] == 0 and r["staged_experts"] > 0 for r in streamed)
-    prefill = [r for r in rows if "ttft_s" in r]
-    assert [(r["budget"], r["host_path"]) for r in prefill] == [("all", "none"), ("quarter", "stream"),
-                                                                 ("quarter", "stream")]
-    assert prefill[0]["prefill_streamed_mb"] == 0 and prefill[1]["prefill_streamed_mb"] > 0
