@@ -42,10 +42,11 @@ class EngineConfig:
     cache_dtype: dtype of KV and conv caches ("bfloat16" (or "bf16") / "float32"; None = the model's dtype), or
     "int8" / "fp8" (e4m3): attention K and V stored in one byte with a float32 scale per position and kv head (half
     a bf16 KV cache), the other caches in the model's dtype. Gated DeltaNet recurrent state is always float32.
-    overlap_steps: while every running request just decodes (no drafter, no PLE layers, nothing to admit or
-    prefill), launch step n+1 on step n's sampled tokens, still on the device, before reading them back: the host's
-    per-step work (launch, read-back, stop checks, events) then overlaps the device's. A request that stops at step
-    n has had one more token computed, which is discarded.
+    overlap_steps: while the decoding requests ran in the step before (no drafter, no PLE layers, no grammar or
+    log-probabilities, nothing to admit), launch step n+1 on step n's sampled tokens, still on the device, before
+    reading them back: the host's per-step work (launch, read-back, stop checks, events) then overlaps the
+    device's. Other prompts may prefill meanwhile (their calls queue behind the step in flight). A request that
+    stops at step n has had one more token computed, which is discarded.
     watchdog_s: an engine iteration (one prefill chunk plus one step) running longer than this is taken as stuck:
     every request fails with a retryable error and `Engine.health()` turns false until the step returns (0 = off).
     progress_min_tokens: a prompt at least this long logs its prefill progress (logger "strata_jax.engine", INFO) at

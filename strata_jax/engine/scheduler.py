@@ -250,10 +250,16 @@ class Scheduler:
             self.counters["prefill_deferred"] += 1
         decoding = [j for j in self._slots if j is not None and not j.prefilling]
         if decoding and self._may_overlap():
+            step_started = time.perf_counter()  # launching waits for the step before: about one step's time
             landed = self.executor.launch(decoding)
+            decode_s = time.perf_counter() - step_started
             if landed is not None:
                 self._hand_out(*landed)
-        elif decoding:
+            decoding = []
+        elif decoding and self.executor.in_flight is not None:  # a prompt just finished: this step runs in step
+            self._hand_out(*self.executor.land())
+            decoding = [j for j in self._slots if j is not None and not j.prefilling]
+        if decoding:
             step_started = time.perf_counter()
             drafts = self._drafts(decoding)
             if any(drafts.values()):
@@ -337,17 +343,19 @@ class Scheduler:
 
     # -- which step ----------------------------------------------------------------------------------------------
     def _may_overlap(self) -> bool:
-        """Every running request decodes, and (with a step in flight) each ran in it: the next step's tokens are
-        the in-flight step's output, still on the device."""
+        """Some request decodes, and (with a step in flight) every decoding one ran in it: the next step's tokens
+        are the in-flight step's output, still on the device. Prompts may prefill meanwhile: their calls queue on
+        the device behind the step in flight, and decode steps between them overlap as without them."""
         if not self._can_overlap:
             return False
         running = [j for j in self._slots if j is not None]
-        if not running or any(j.prefilling for j in running):
+        decoding = [j for j in running if not j.prefilling]
+        if not decoding:
             return False
         if any(j.host_bound for j in running):  # a grammar mask or log-probabilities: the host steps along
             return False
         in_flight = self.executor.in_flight
-        return in_flight is None or all(j in in_flight.jobs for j in running)
+        return in_flight is None or all(j in in_flight.jobs for j in decoding)
 
     def _drafts(self, jobs: list[Job]) -> dict[int, list[int]]:
         """The drafter's guesses for every decoding job, each at most its slot's draft length (adaptive: from its

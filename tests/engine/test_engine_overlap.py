@@ -108,3 +108,33 @@ def test_overlap_off_takes_the_plain_path(model):
         assert eng._scheduler.counters["overlapped_steps"] == 0
     finally:
         eng.shutdown()
+
+
+def test_decode_overlaps_while_another_prompt_prefills(model):
+    """A prompt prefilling in narrow pieces beside a decoding request (paced: decode steps run between its pieces)
+    no longer forces every decode step to the host: the steps between pieces overlap, and both outputs equal the
+    plain API's greedy tokens."""
+    eng = Engine(model, EngineConfig(slots=2, max_context=CTX, prefill_chunks=(8, 32), snapshot_every=32,
+                                     mixed_prefill=(8, 1), decode_share=0.5))
+    eng.start()
+    try:
+        decoder, prompt = _prompt(60, 5), _prompt(61, 90)
+        seen = []
+        scheduler = eng._scheduler
+        real = scheduler.executor.launch
+
+        def launch(jobs):  # records whether a prompt was mid-prefill when a step was launched overlapped
+            seen.append(any(j is not None and j.prefilling for j in scheduler._slots))
+            return real(jobs)
+
+        scheduler.executor.launch = launch
+
+        async def both():
+            return await asyncio.gather(_collect(eng, decoder, max_tokens=60),
+                                        _collect(eng, prompt, delay=0.05, max_tokens=4))
+
+        first, second = asyncio.run(both())
+        assert _tokens(first) == greedy(model, decoder, 60) and _tokens(second) == greedy(model, prompt, 4)
+        assert sum(seen) >= 3, seen  # ~11 pieces of 8 tokens, decode steps launched overlapped between them
+    finally:
+        eng.shutdown()
