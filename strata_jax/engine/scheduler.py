@@ -256,7 +256,8 @@ class Scheduler:
             if landed is not None:
                 self._hand_out(*landed)
             decoding = []
-        elif decoding and self.executor.in_flight is not None:  # a prompt just finished: this step runs in step
+        elif decoding and self.executor.in_flight is not None:  # a decoder the step in flight lacks (its prompt
+            # just ended): that step lands first, then this one runs in step with the host
             self._hand_out(*self.executor.land())
             decoding = [j for j in self._slots if j is not None and not j.prefilling]
         if decoding:
