@@ -90,10 +90,16 @@ def _calls(choice):
     return [(call.function.name, json.loads(call.function.arguments)) for call in choice.message.tool_calls or []]
 
 
-def _assert_valid(calls):
-    for name, args in calls:
+def _assert_valid(calls, cut=False):
+    """Every call names an offered tool and its arguments follow the tool's schema. `cut`: the answer ended at
+    max_tokens, so its last call may be unfinished (the API returns it as far as it got, as Anthropic's does): that
+    one is checked only for its name and for naming no argument outside the schema."""
+    for i, (name, args) in enumerate(calls):
         assert name in SCHEMAS, f"a call to {name!r}, which was not offered"
-        jsonschema.validate(args, SCHEMAS[name])
+        if cut and i == len(calls) - 1:
+            assert set(args) <= set(SCHEMAS[name]["properties"]), args
+        else:
+            jsonschema.validate(args, SCHEMAS[name])
 
 
 def _greedy(model, messages, max_tokens, **template):
@@ -111,8 +117,8 @@ def test_calls_name_only_offered_tools_with_valid_arguments(served):
     sampled = _together(*[_message(on, PROMPTS[0], temperature=1.0, tools=ANTHROPIC_TOOLS) for _ in range(4)])
     for message in greedy + sampled:
         calls = _uses(message)
-        _assert_valid(calls)
-        assert message.stop_reason in (("tool_use",) if calls else ("end_turn", "max_tokens")), message
+        assert message.stop_reason in (("tool_use", "max_tokens") if calls else ("end_turn", "max_tokens")), message
+        _assert_valid(calls, cut=message.stop_reason == "max_tokens")
     assert all(_uses(m) for m in greedy)  # unconstrained, the demo calls `search_code` here (the last test)
     no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
     sampled = _together(*[_chat(on, PROMPTS[1], tools=OPENAI_TOOLS, tool_choice="required", temperature=1.0,
