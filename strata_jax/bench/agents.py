@@ -10,9 +10,9 @@ arrive `--stagger-s` apart (`--together`: at once).
 Reported per session count: time to first token p50 / p95 by turn kind (first / later), each session's decode
 tok/s while other sessions prefill (and while none does), aggregate tok/s, prefix-cache hit tokens, and the prefix
 cache's snapshot time and memory (engine stats). One engine with max(--sessions) slots serves every count (as one
-server would), under each pacing of prefill beside decoding given (`--decode-share`, `--mixed-step-ms`: changed on the
-running engine, no compile); each run's conversations start with a different token, so no run reuses another's
-prefixes.
+server would), under each pacing of prefill beside decoding given (`--decode-share`, `--mixed-step-ms`,
+`--prefill-burst-ms`: changed on the running engine, no compile); each run's conversations start with a different
+token, so no run reuses another's prefixes.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ def agents_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-step-ms", type=floats, default=None, metavar="MS[,MS...]",
                    help="EngineConfig.mixed_step_ms (default the engine's: 100); several: as --decode-share (every "
                         "pair of the two lists)")
+    g.add_argument("--prefill-burst-ms", type=floats, default=None, metavar="MS[,MS...]",
+                   help="EngineConfig.prefill_burst_ms (default the engine's: 400; 0 = off); several: as "
+                        "--decode-share (every combination of the three lists)")
     g.add_argument("--prefix-cache-device-mib", type=int, default=0,
                    help="EngineConfig.prefix_cache_device_mib: device memory for recent snapshots (default 0)")
     g.add_argument("--share-min-tokens", type=int, default=None,
@@ -166,6 +169,15 @@ def _decode_rates(sessions: list[list[dict]]) -> list[tuple[float | None, float 
     return out
 
 
+def _answer_rate(turns: list[dict]) -> float | None:
+    """Mean over turns of each answer's tok/s from its first token to its last: what a decoding session gets over
+    a whole answer, pauses for others' prefill included (a burst of prefill pauses decoders briefly and so weighs
+    on the rate "while others prefill" more than on this)."""
+    rates = [(len(r["times"]) - 1) / (r["times"][-1] - r["times"][0]) for r in turns
+             if len(r["times"]) > 1 and r["times"][-1] > r["times"][0]]
+    return statistics.mean(rates) if rates else None
+
+
 def _inputs(args, model: LoadedModel, sessions: int, run: int, rng: np.random.Generator):
     vocab = model.config.vocab_size
     source = args.first_turn or ("claude-code" if model.tokenizer is not None else "synthetic")
@@ -192,17 +204,19 @@ def agents_context(args, longest_first: int) -> int:
 
 def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Runs each session count of `args.sessions` on one engine, under each pacing (`--decode-share` x
-    `--mixed-step-ms`), the prefix cache emptied between runs; returns one row per (pacing, count). A lone
-    session runs once, under the first pacing: pacing splits the engine's time between decoding and other slots'
-    prefill, and alone it has no other slots. `on_row(rows)` after each (the JSON file is rewritten then, so a run
-    cut by a time limit keeps its finished rows)."""
+    `--mixed-step-ms` x `--prefill-burst-ms`), the prefix cache emptied between runs; returns one row per (pacing,
+    count). A lone session runs once, under the first pacing: pacing splits the engine's time between decoding and
+    other slots' prefill, and alone it has no other slots. `on_row(rows)` after each (the JSON file is rewritten
+    then, so a run cut by a time limit keeps its finished rows)."""
     rng = np.random.default_rng(args.agents_seed)
-    pacings = list(itertools.product(args.decode_share or (None,), args.mixed_step_ms or (None,)))
+    pacings = list(itertools.product(args.decode_share or (None,), args.mixed_step_ms or (None,),
+                                     args.prefill_burst_ms or (None,)))
     runs = [(pacing, n) for i, pacing in enumerate(pacings) for n in args.sessions if n > 1 or i == 0]
     # Each run's conversations start with a token of its own: no run reuses another's prefixes.
     inputs = [_inputs(args, model, n, run, rng) for run, (_, n) in enumerate(runs)]
     ctx = agents_context(args, max(len(f) for firsts, _, _ in inputs for f in firsts))
     extra = {k: v for k, v in (("decode_share", pacings[0][0]), ("mixed_step_ms", pacings[0][1]),
+                               ("prefill_burst_ms", pacings[0][2]),
                                ("share_min_tokens", args.share_min_tokens), ("snapshot_every", args.snapshot_every))
              if v is not None}
     config = EngineConfig(slots=max(args.sessions), max_context=ctx, prefill_chunks=args.prefill_chunks,
@@ -212,8 +226,8 @@ def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | 
     engine.start()
     rows = []
     try:
-        for run, (((share, step_ms), n), (firsts, tools, answers)) in enumerate(zip(runs, inputs)):
-            engine.set_prefill_pacing(decode_share=share, mixed_step_ms=step_ms)
+        for run, (((share, step_ms, burst_ms), n), (firsts, tools, answers)) in enumerate(zip(runs, inputs)):
+            engine.set_prefill_pacing(decode_share=share, mixed_step_ms=step_ms, prefill_burst_ms=burst_ms)
             if run:  # each row starts as a fresh server would: no earlier row's snapshots filling the pools
                 engine.clear_prefix_cache()
             stagger = 0.0 if args.together else args.stagger_s
@@ -247,13 +261,14 @@ def _row(n: int, args, config: EngineConfig, sessions: list[list[dict]], wall: f
         "sessions": n, "turns": args.turns + 1, "together": bool(args.together or args.stagger_s == 0),
         "slots": config.slots, "ctx": config.max_context, "prefill_chunks": list(config.prefill_chunks),
         "prefill_batch": config.prefill_batch, "decode_share": config.decode_share,
-        "mixed_step_ms": config.mixed_step_ms,
+        "mixed_step_ms": config.mixed_step_ms, "prefill_burst_ms": config.prefill_burst_ms,
         "mixed_prefill": [after.get("mixed_prefill_width"), after.get("mixed_prefill_prompts")],
         "first_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in turns if r["kind"] == "first"),
         **{f"ttft_{k}_p{q}_s": _pct(v, q / 100) for k, v in ttft.items() for q in (50, 95)},
         "decode_tok_s_while_others_prefill": statistics.mean(busy) if busy else None,
         "decode_tok_s_otherwise": statistics.mean(quiet) if quiet else None,
         "decode_tok_s_while_others_prefill_per_session": [b for b, _ in rates],
+        "answer_tok_s": _answer_rate(turns),
         "aggregate_tok_s": sum(len(r["ids"]) for r in turns) / wall,
         "wall_s": wall,
         "prefix_cache_hit_tokens": sum(r["cached"] for r in turns),
@@ -267,6 +282,7 @@ def _row(n: int, args, config: EngineConfig, sessions: list[list[dict]], wall: f
         "prefix_cache_device_bytes": after.get("prefix_cache_device_bytes"),
         "shared_prefix_waits": delta("shared_prefix_waits_total"),
         "prefill_deferred": delta("prefill_deferred_total"),
+        "prefill_bursts": delta("prefill_bursts_total"),
         "max_decode_stall_s": after.get("max_decode_stall_seconds"),
         "measured_on": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
         "timeline": _timeline(sessions),
@@ -289,11 +305,13 @@ def _s(v: float | None, fmt: str = ".2f") -> str:
 
 
 def _print_row(r: dict) -> None:
-    print(f"agents {r['sessions']} (decode share {r['decode_share']:g}, mixed step {r['mixed_step_ms']:g} ms): "
+    print(f"agents {r['sessions']} (decode share {r['decode_share']:g}, mixed step {r['mixed_step_ms']:g} ms, "
+          f"burst {r['prefill_burst_ms']:g} ms): "
           f"first-turn TTFT p50/p95 {_s(r['ttft_first_p50_s'])}/{_s(r['ttft_first_p95_s'])} s, "
           f"later {_s(r['ttft_later_p50_s'])}/{_s(r['ttft_later_p95_s'])} s, decode "
           f"{_s(r['decode_tok_s_while_others_prefill'], '.1f')} tok/s while others prefill "
-          f"({_s(r['decode_tok_s_otherwise'], '.1f')} otherwise), aggregate {r['aggregate_tok_s']:.1f} tok/s, "
+          f"({_s(r['decode_tok_s_otherwise'], '.1f')} otherwise; {_s(r['answer_tok_s'], '.1f')} over whole "
+          f"answers), aggregate {r['aggregate_tok_s']:.1f} tok/s, "
           f"{r['prefix_cache_hit_tokens']:,} of {r['prompt_tokens']:,} prompt tokens cached", flush=True)
 
 
@@ -301,16 +319,18 @@ def print_agents_table(rows: list[dict]) -> None:
     """The rows as a markdown table."""
     print(f"\nMeasured on {rows[0]['measured_on'] if rows else '-'}; one engine of {rows[0]['slots'] if rows else '-'} "
           "slots serves every count.")
-    print("\n| sessions | pacing: decode share, mixed step ms (pieces) | first TTFT p50 / p95 s | later TTFT p50 / "
-          "p95 s | decode tok/s while others prefill (otherwise) | aggregate tok/s | cached / prompt tokens "
-          "| snapshots (s, MiB held) |")
+    print("\n| sessions | pacing: decode share, mixed step ms (pieces), burst ms | first TTFT p50 / p95 s "
+          "| later TTFT p50 / p95 s | decode tok/s while others prefill (otherwise; over whole answers) "
+          "| aggregate tok/s | cached / prompt tokens | snapshots (s, MiB held) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         held = (r["prefix_cache_bytes"] or 0) / 2**20
         width, prompts = r["mixed_prefill"]
-        print(f"| {r['sessions']} | {r['decode_share']:g}, {r['mixed_step_ms']:g} ({width} x {prompts}) "
+        print(f"| {r['sessions']} | {r['decode_share']:g}, {r['mixed_step_ms']:g} ({width} x {prompts}), "
+              f"{r['prefill_burst_ms']:g} "
               f"| {_s(r['ttft_first_p50_s'])} / {_s(r['ttft_first_p95_s'])} "
               f"| {_s(r['ttft_later_p50_s'])} / {_s(r['ttft_later_p95_s'])} "
-              f"| {_s(r['decode_tok_s_while_others_prefill'], '.1f')} ({_s(r['decode_tok_s_otherwise'], '.1f')}) "
+              f"| {_s(r['decode_tok_s_while_others_prefill'], '.1f')} ({_s(r['decode_tok_s_otherwise'], '.1f')}; "
+              f"{_s(r['answer_tok_s'], '.1f')}) "
               f"| {r['aggregate_tok_s']:.1f} | {r['prefix_cache_hit_tokens']:,} / {r['prompt_tokens']:,} "
               f"| {r['snapshots_taken']} ({r['snapshot_seconds']:.2f} s, {held:,.0f}) |")

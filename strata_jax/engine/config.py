@@ -56,6 +56,10 @@ class EngineConfig:
     for a token, about), the one carrying the most tokens for the prompts waiting; mixed_prefill: the (chunk width,
     prompts) to take instead.
     decode_share: while slots decode, prefill gets at most 1 - this of the engine's time (0 = no pacing).
+    prefill_burst_ms: a prompt whose whole remaining prefill takes at most this long at full width (by warm-up's
+    timed calls; an agent's later turn: a tool result on a cached prefix) prefills at once, in the widest pieces,
+    beside decoding slots instead of in paced mixed pieces; its time is charged to the share, so decoders get it
+    back from the longer prompts after it (0 = off).
     prefill_aging_s: waiting prompts run shortest remaining prefill first, a prompt's remaining tokens divided by
     1 + its seconds since submission / this; one waiting 3x this or longer runs before all others (nothing
     starves).
@@ -82,6 +86,7 @@ class EngineConfig:
     mixed_step_ms: float = 100.0
     mixed_prefill: tuple[int, int] | None = None
     decode_share: float = 0.7
+    prefill_burst_ms: float = 400.0
     prefill_aging_s: float = 5.0
     share_min_tokens: int = 1024
 
@@ -116,6 +121,8 @@ class EngineConfig:
                                  f"chunks {self.prefill_chunks}, prompts {self.prefill_batches}")
         if not 0 <= self.decode_share < 1 or not self.mixed_step_ms >= 0 or not self.prefill_aging_s > 0:
             raise ValueError("decode_share must be in [0, 1), mixed_step_ms >= 0 and prefill_aging_s > 0")
+        if not self.prefill_burst_ms >= 0:
+            raise ValueError(f"prefill_burst_ms must be >= 0 (0 = off), got {self.prefill_burst_ms}")
         if self.share_min_tokens < 0:
             raise ValueError(f"share_min_tokens must be >= 0, got {self.share_min_tokens}")
         big = self.prefill_chunks[-1]

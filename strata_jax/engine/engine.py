@@ -86,8 +86,10 @@ class Engine:
                else f"calls of <= {self.config.mixed_step_ms:g} ms at warm-up")
         share = f"at most {1 - self.config.decode_share:.0%}" if self.config.decode_share > 0 else "all"
         pieces = f"{width} tokens x {prompts} prompt{'s' if prompts != 1 else ''}"
+        burst = (f"; a prompt whose rest fits {self.config.prefill_burst_ms:g} ms at full width prefills at once"
+                 if self.config.prefill_burst_ms > 0 and self.config.decode_share > 0 else "")
         print(f"engine: beside decoding slots, prompts prefill in pieces of up to {pieces} ({why}) in {share} of the "
-              "engine's time", file=sys.stderr, flush=True)
+              f"engine's time{burst}", file=sys.stderr, flush=True)
         self._started = True
         if self.config.watchdog_s > 0:
             threading.Thread(target=self._watch, name="strata-watchdog", daemon=True).start()
@@ -210,12 +212,14 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._scheduler.cancel(request_id)
 
-    def set_prefill_pacing(self, decode_share: float | None = None, mixed_step_ms: float | None = None) -> None:
-        """Changes how prompts prefill beside decoding slots (`EngineConfig.decode_share`, `mixed_step_ms`; None
-        keeps the current value) without compiling anything: the warm-up's shapes stay, the choice among them and the
-        share of time change from the engine's next iteration on. ValueError for values EngineConfig refuses."""
-        changes = {k: v for k, v in (("decode_share", decode_share), ("mixed_step_ms", mixed_step_ms))
-                   if v is not None}
+    def set_prefill_pacing(self, decode_share: float | None = None, mixed_step_ms: float | None = None,
+                           prefill_burst_ms: float | None = None) -> None:
+        """Changes how prompts prefill beside decoding slots (`EngineConfig.decode_share`, `mixed_step_ms`,
+        `prefill_burst_ms`; None keeps the current value) without compiling anything: the warm-up's shapes stay, the
+        choice among them and the share of time change from the engine's next iteration on. ValueError for values
+        EngineConfig refuses."""
+        changes = {k: v for k, v in (("decode_share", decode_share), ("mixed_step_ms", mixed_step_ms),
+                                     ("prefill_burst_ms", prefill_burst_ms)) if v is not None}
         self.config = dataclasses.replace(self.config, **changes)
         self._scheduler.set_pacing(self.config)
 

@@ -10,6 +10,12 @@ Three rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
 - **Share.** While slots decode, prefill calls get at most 1 - `decode_share` of the engine's time: a call is
   skipped (the decoders step alone) while the prefill time spent since decoding began exceeds that share of the
   decode time. A decoding stream keeps at least `decode_share` of its solo rate, whatever the widths cost.
+- **Burst.** A prompt whose whole remaining prefill takes at most `prefill_burst_ms` at full width (warm-up's
+  timed calls; typically an agent's later turn, a tool result on a cached prefix) runs at once, piece after piece in
+  the widest shape, beside decoding slots and whatever the share says: decoders pause up to that long once, and
+  the prompt's first token comes several times sooner than in paced mixed pieces. Its time is charged to the share
+  like any prefill, so the decoders get it back from the longer prompts after it (their mean rate holds); a burst
+  starts only while the debt is under one burst, so bursts cannot queue up behind each other into a long stall.
 - **Order.** Waiting prompts go shortest remaining prefill first (a later turn with a few thousand new tokens on a
   cached prefix overtakes a fresh 27,000-token first turn), aged: a prompt's key is its remaining tokens / (1 +
   seconds since it was submitted / `prefill_aging_s`). That alone lets a stream of short prompts hold back a long
@@ -63,11 +69,40 @@ class PrefillPolicy:
         self.shapes = mixed_shapes(config, {})
         self.mixed = best_shape(self.shapes, max(b for _, b in self.shapes))  # the most tokens a mixed call takes
         self._credit = 0.0  # prefill seconds the decoders' share allows now (negative: prefill is ahead)
+        self._seconds: dict[int, float] = {}  # chunk width -> a one-prompt call's seconds at warm-up
+        self._bursting: Job | None = None
+        self.bursts = 0
 
     def warmed_up(self, seconds: Mapping[tuple[str, int, int], float]) -> None:
-        """Takes the mixed shapes from warm-up's timed calls."""
+        """Takes the mixed shapes and the one-prompt call times from warm-up's timed calls."""
         self.shapes = mixed_shapes(self.config, seconds)
         self.mixed = best_shape(self.shapes, max(b for _, b in self.shapes))
+        self._seconds = {w: s for (name, w, b), s in seconds.items() if name == "prefill" and b == 1}
+
+    def estimate(self, job: Job) -> float:
+        """Seconds `job`'s remaining prefill takes alone at full width (pieces on the largest chunk's grid, each
+        in the narrowest compiled width that holds it), by warm-up's calls; inf for a width not timed."""
+        chunk, total, pos, end = self.config.chunk, 0.0, job.pos, len(job.fill)
+        while pos < end:
+            piece = min(end, (pos // chunk + 1) * chunk)
+            width = next(c for c in self.config.prefill_chunks if c >= piece - pos)
+            total += self._seconds.get(width, float("inf"))
+            pos = piece
+        return total
+
+    def burst(self, jobs: Sequence[Job], decoding: bool) -> Job | None:
+        """The prompt to prefill at once this iteration (see "Burst"), or None: the one bursting already while
+        it prefills, else the first of `jobs` (in `order`) whose remaining prefill fits `prefill_burst_ms`, while
+        the share's debt is under one burst."""
+        if self._bursting is not None and self._bursting in jobs:
+            return self._bursting
+        self._bursting = None
+        limit = self.config.prefill_burst_ms / 1e3
+        if not decoding or limit <= 0 or self.config.decode_share <= 0 or self._credit <= -limit:
+            return None
+        self._bursting = next((job for job in jobs if self.estimate(job) <= limit), None)
+        self.bursts += self._bursting is not None
+        return self._bursting
 
     def shape(self, decoding: bool, waiting: int = 1) -> tuple[int, int]:
         """(the widest piece a prompt may take, the most prompts) of this iteration's prefill call, with `waiting`

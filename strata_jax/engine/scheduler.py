@@ -150,6 +150,7 @@ class Scheduler:
                 "prefix_cache_snapshot_seconds_total": self.snapshot_seconds,
                 "shared_prefix_waits_total": self.counters["shared_waits"],  # waited for another's snapshot
                 "prefill_deferred_total": self.counters["prefill_deferred"],  # paced: decoders stepped alone
+                "prefill_bursts_total": self.policy.bursts,  # short prompts prefilled at once beside decoders
                 "mixed_prefill_width": self.policy.mixed[0],
                 "mixed_prefill_prompts": self.policy.mixed[1],
                 "slots_busy": busy,
@@ -181,7 +182,8 @@ class Scheduler:
                 ended, self._ended = self._ended, {}
                 pacing, self._pacing = self._pacing, None
                 if pacing is not None:
-                    self.policy = PrefillPolicy(pacing)
+                    bursts, self.policy = self.policy.bursts, PrefillPolicy(pacing)
+                    self.policy.bursts = bursts  # a counter of the engine's life, as /metrics shows it
                     self.policy.warmed_up(self.runner.step_seconds)
                 if self._clear_prefix_cache:
                     self._clear_prefix_cache = False
@@ -242,10 +244,14 @@ class Scheduler:
         self._end_waits()
         decode_s = 0.0
         decoders = any(j is not None and not j.prefilling for j in self._slots)
-        prefilling = [j for j in self._slots if j is not None and j.prefilling and j.waiting_for is None]
-        if prefilling and self.policy.may_prefill(decoders):
+        prefilling = self.policy.order(
+            [j for j in self._slots if j is not None and j.prefilling and j.waiting_for is None])
+        burst = self.policy.burst(prefilling, decoders)
+        if burst is not None:
+            self._prefill([burst])
+        elif prefilling and self.policy.may_prefill(decoders):
             limit, most = self.policy.shape(decoders, len(prefilling))
-            self._prefill(self._prefill_group(self.policy.order(prefilling), limit, most), limit)
+            self._prefill(self._prefill_group(prefilling, limit, most), limit)
         elif prefilling:
             self.counters["prefill_deferred"] += 1
         decoding = [j for j in self._slots if j is not None and not j.prefilling]

@@ -8,6 +8,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from strata_jax.bench.agents import claude_code_first_turns, synthetic_first_turns, tool_result
 from strata_jax.bench import main as bench_main
@@ -74,6 +75,9 @@ def test_tiny_agents_run_on_the_demo_model(tmp_path, monkeypatch):
         assert len(turns) == 2 * r["sessions"] and {t["kind"] for t in turns} == {"first", "later"}
         assert all(0 <= t["submitted_s"] < t["first_token_s"] <= t["last_token_s"] for t in turns)
         firsts = [t["first_token_s"] - t["submitted_s"] for t in turns if t["kind"] == "first"]
+        answers = [(t["answer_tokens"] - 1) / (t["last_token_s"] - t["first_token_s"]) for t in turns
+                   if t["last_token_s"] > t["first_token_s"]]  # each answer's rate, pauses included
+        assert r["answer_tok_s"] == pytest.approx(sum(answers) / len(answers), rel=1e-6)
         assert min(firsts) - 1e-9 <= r["ttft_first_p50_s"] <= max(firsts) + 1e-9
     # Each later turn resumes its own conversation; the second session resumes the first one's common prefix.
     assert rows[0]["prefix_cache_hit_tokens"] >= 64
@@ -86,10 +90,10 @@ def test_pacings_run_on_one_engine(tmp_path, capsys):
     out = tmp_path / "agents.json"
     argv = ["--mode", "agents", "--sessions", "1,2", "--turns", "0", "--first-turn", "synthetic", "--shared-tokens",
             "16", "--first-tokens", "40,48", "--answer-tokens", "3,4", "--prefill-chunks", "16", "--together",
-            "--decode-share", "0.7,0.2", "--mixed-step-ms", "0,1000", "--json", str(out)]
+            "--decode-share", "0.7,0.2", "--mixed-step-ms", "0,1000", "--prefill-burst-ms", "0", "--json", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["decode_share"], r["mixed_step_ms"], r["sessions"]) for r in rows] == [
-        (0.7, 0, 1), (0.7, 0, 2), (0.7, 1000, 2), (0.2, 0, 2), (0.2, 1000, 2)]
+    assert [(r["decode_share"], r["mixed_step_ms"], r["prefill_burst_ms"], r["sessions"]) for r in rows] == [
+        (0.7, 0, 0, 1), (0.7, 0, 0, 2), (0.7, 1000, 0, 2), (0.2, 0, 0, 2), (0.2, 1000, 0, 2)]
     assert capsys.readouterr().err.count("warm-up: compiling") == 1
     assert all(r["ttft_first_p50_s"] > 0 for r in rows)

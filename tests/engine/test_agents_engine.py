@@ -24,9 +24,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    # Narrow pieces beside decoders (8 tokens, one prompt) and pacing that makes decoders step alone at times.
+    # Narrow pieces beside decoders (8 tokens, one prompt) and pacing that makes decoders step alone at times (no
+    # bursts: these prompts are short enough to prefill at once, tests/engine/test_engine_overlap.py).
     eng = Engine(model, EngineConfig(slots=3, max_context=160, prefill_chunks=(8, 32), prefill_batch=2,
-                                     snapshot_every=32, share_min_tokens=16, mixed_prefill=(8, 1), decode_share=0.5))
+                                     snapshot_every=32, share_min_tokens=16, mixed_prefill=(8, 1), decode_share=0.5,
+                                     prefill_burst_ms=0))
     eng.start()
     yield eng
     eng.shutdown()

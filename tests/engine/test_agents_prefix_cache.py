@@ -4,6 +4,7 @@ pruning, in-flight copies that land or are dropped, and the policy's order, paci
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -207,3 +208,33 @@ def test_the_mixed_shape_is_the_most_tokens_under_the_target():
     assert choose_mixed_shape(given, seconds) == (8, 2)
     with pytest.raises(ValueError, match="mixed_prefill"):
         EngineConfig(prefill_chunks=(8, 32), mixed_prefill=(16, 1))
+
+
+def test_a_prompt_that_fits_the_burst_prefills_at_once_and_long_ones_stay_paced():
+    """`prefill_burst_ms`: a prompt whose remaining pieces at full width take at most that long (by warm-up's
+    one-prompt calls) runs beside decoders whatever the share says, piece after piece until its prefill ends; a
+    longer one stays paced; no burst starts while the share's debt is a burst or more, or with the burst off."""
+    config = EngineConfig(prefill_chunks=(256, 1024), slots=4, decode_share=0.7, prefill_burst_ms=300)
+    policy = PrefillPolicy(config)
+    policy.warmed_up({("prefill", 256, 1): 0.05, ("prefill", 1024, 1): 0.1, ("prefill", 1024, 2): 0.19})
+    later = _job(9000, submitted=0.0, pos=7000)  # pieces 7000-7168 (256 wide), 7168-8192, 8192-9000: 0.25 s
+    first = _job(20000, submitted=0.0, pos=4000)
+    assert policy.estimate(later) == pytest.approx(0.25) and policy.estimate(first) == pytest.approx(1.65)
+    assert policy.burst([first, later], decoding=False) is None  # nobody decodes: every call is full width anyway
+    policy.prefilled(0.2, decoding=True)  # in debt, under one burst: may_prefill says no, a burst may start
+    assert not policy.may_prefill(decoding=True)
+    assert policy.burst([first, later], decoding=True) is later and policy.bursts == 1
+    policy.prefilled(0.25, decoding=True)  # deeper in debt than a burst: the burst going on still goes on
+    assert policy.burst([first, later], decoding=True) is later and policy.bursts == 1
+    other = _job(500, submitted=0.0)
+    assert policy.burst([first, other], decoding=True) is None  # `later` ended; no new burst while in debt
+    for _ in range(200):
+        policy.decoded(0.01, prefilling=True)
+    assert policy.burst([first, other], decoding=True) is other and policy.bursts == 2
+    off = PrefillPolicy(dataclasses.replace(config, prefill_burst_ms=0))
+    off.warmed_up({("prefill", 256, 1): 0.05, ("prefill", 1024, 1): 0.1})
+    assert off.burst([later], decoding=True) is None
+    untimed = PrefillPolicy(config)  # no warm-up times (a width never timed): never a burst
+    assert untimed.burst([later], decoding=True) is None
+    with pytest.raises(ValueError, match="prefill_burst_ms"):
+        EngineConfig(prefill_burst_ms=-1)

@@ -115,7 +115,7 @@ def test_decode_overlaps_while_another_prompt_prefills(model):
     no longer forces every decode step to the host: the steps between pieces overlap, and both outputs equal the
     plain API's greedy tokens."""
     eng = Engine(model, EngineConfig(slots=2, max_context=CTX, prefill_chunks=(8, 32), snapshot_every=32,
-                                     mixed_prefill=(8, 1), decode_share=0.5))
+                                     mixed_prefill=(8, 1), decode_share=0.5, prefill_burst_ms=0))
     eng.start()
     try:
         decoder, prompt = _prompt(60, 5), _prompt(61, 90)
@@ -136,5 +136,44 @@ def test_decode_overlaps_while_another_prompt_prefills(model):
         first, second = asyncio.run(both())
         assert _tokens(first) == greedy(model, decoder, 60) and _tokens(second) == greedy(model, prompt, 4)
         assert sum(seen) >= 3, seen  # ~11 pieces of 8 tokens, decode steps launched overlapped between them
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("burst_ms", [0.0, 60_000.0])
+def test_a_short_prompt_bursts_beside_a_decoder(model, burst_ms):
+    """With `prefill_burst_ms` covering its whole prefill, a prompt arriving beside a decoding request prefills at
+    once in full-width pieces (32 tokens: 3 calls for 90), whatever the share says; with the burst off the same
+    prompt runs paced in the mixed 8-token pieces with calls deferred. Outputs equal the plain API's either way."""
+    eng = Engine(model, EngineConfig(slots=2, max_context=CTX, prefill_chunks=(8, 32), snapshot_every=32,
+                                     mixed_prefill=(8, 1), decode_share=0.9, prefill_burst_ms=burst_ms))
+    eng.start()
+    try:
+        decoder, prompt = _prompt(62, 5), _prompt(63, 90)
+        scheduler = eng._scheduler
+        widths, real = [], scheduler.executor.prefill
+
+        def prefill(jobs, limit=None):  # the late prompt's calls: the width its piece took
+            if any(len(j.request.prompt_ids) == 90 for j in jobs):
+                widths.append(scheduler.executor.chunk_size(jobs[0], limit))
+            return real(jobs, limit)
+
+        scheduler.executor.prefill = prefill
+        before = eng.stats()
+
+        async def both():
+            return await asyncio.gather(_collect(eng, decoder, max_tokens=120),
+                                        _collect(eng, prompt, delay=0.1, max_tokens=4))
+
+        first, second = asyncio.run(both())
+        assert _tokens(first) == greedy(model, decoder, 120) and _tokens(second) == greedy(model, prompt, 4)
+        after = eng.stats()
+        if burst_ms:
+            assert widths == [32, 32, 32], widths
+            assert after["prefill_bursts_total"] - before["prefill_bursts_total"] == 1
+        else:
+            # paced 8-token pieces while the decoder runs (full width once it has ended)
+            assert widths[:2] == [8, 8] and after["prefill_deferred_total"] > before["prefill_deferred_total"], widths
+            assert after["prefill_bursts_total"] == before["prefill_bursts_total"]
     finally:
         eng.shutdown()

@@ -22,8 +22,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
+    # No bursts: a prompt short enough to prefill at once beside a decoding slot runs alone, and these tests are
+    # about prompts sharing calls whether or not another slot decodes meanwhile.
     eng = Engine(model, EngineConfig(slots=4, max_context=160, prefill_chunks=(8, 32), prefill_batch=4,
-                                     prefix_cache_mib=0))
+                                     prefix_cache_mib=0, prefill_burst_ms=0))
     eng.start()
     yield eng
     eng.shutdown()
