@@ -223,6 +223,7 @@ def load_model(
     host_path: str = "compute",
     copy_slots: int | None = None,
     prefill_copy_slots: int | None = None,
+    stream_copy: str = "auto",
     prefill_attention: str = "auto",
     fused_decode: bool = False,
 ) -> LoadedModel:
@@ -243,7 +244,8 @@ def load_model(
     The weights are loaded as without a mesh, then placed.
     host_path: how experts outside the pool are served: "compute" (on the host CPU, above) or "stream" (kept in
     pinned host memory and copied into the step; `copy_slots` / `prefill_copy_slots`: its staging rows, None: sized
-    per call). See `ExpertQuantization` and `strata_jax.model.expert_stream`.
+    per call; `stream_copy`: how rows cross, "slices", "pallas" or "auto"). See `ExpertQuantization` and
+    `strata_jax.model.expert_stream`.
     prefill_attention: how prefill chunks attend (`ModelConfig.prefill_attention_impl`: "auto", "jnp", "pallas" the
     flash-style kernel, "cudnn"; pallas_kernels.flash_prefill.resolve_prefill_impl).
     fused_decode: decode and verify calls of <= 16 tokens run the fused Pallas kernels on a GPU
@@ -257,7 +259,8 @@ def load_model(
     if path.suffix == ".gguf":
         return _load_gguf(path, dtype, quantize, planes, group, gpu_experts, host_kernel, host_workers, mesh,
                           expert_exchange, dict(host_path=host_path, copy_slots=copy_slots,
-                                                prefill_copy_slots=prefill_copy_slots), prefill_attention,
+                                                prefill_copy_slots=prefill_copy_slots, stream_copy=stream_copy),
+                          prefill_attention,
                           fused_decode)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -266,7 +269,8 @@ def load_model(
     jdtype = _DTYPES[dtype]
     pool = HostPool(kernel=host_kernel_beside(mesh, host_kernel), workers=host_workers)
     host_experts = functools.partial(HostTier, pool=pool)
-    paths = dict(host_path=host_path, copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots)
+    paths = dict(host_path=host_path, copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots,
+                 stream_copy=stream_copy)
     if is_converted(path):
         meta = read_marker(path)
         quant = ExpertQuantization(planes=meta["planes"], group=meta["group"], gpu_experts=gpu_experts, **paths)

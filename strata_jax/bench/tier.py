@@ -10,7 +10,8 @@ array values.
 
 `--host-path stream` serves the experts outside the pool from pinned host memory inside the step instead
 (strata_jax/model/expert_stream.py; the pool shrinks by the staging rows' room, `planner.stream_plan`), with
-`--copy-slots` staging rows per decode round (auto: sized per call); `--compute-budgets` adds host-compute rows
+`--copy-slots` staging rows per decode round (auto: sized per call) and `--stream-copy` forms of the copy
+(pallas_kernels.host_gather: slices, pallas; every pair of the two lists); `--compute-budgets` adds host-compute rows
 at those budgets as the baseline. Rows then also report the MB copied over PCIe and the experts staged per step.
 `--prefill-tokens N` also times an N-token prompt (chunks of `--prefill-chunk`, one slot, the engine's prefill
 step) on every streaming or all-resident model.
@@ -83,10 +84,10 @@ def _plan(cfg, quant, engine: EngineConfig, mib: int, reserve_mib: int) -> Memor
 
 
 def _build(cfg, quant: ExpertQuantization, gpu_experts: int, dtype, host_kernel: str, host_path: str = "compute",
-           copy_slots: int | None = None, prefill_copy_slots: int | None = None):
+           copy_slots: int | None = None, prefill_copy_slots: int | None = None, stream_copy: str = "auto"):
     q = ExpertQuantization(quant.planes, quant.group, quant.impl,
                            gpu_experts=None if gpu_experts >= cfg.num_experts else gpu_experts, host_path=host_path,
-                           copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots)
+                           copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots, stream_copy=stream_copy)
     pool = HostPool(kernel=host_kernel)
     model = synthetic_model(cfg, dtype, q, host_pool=pool)
     add_routing_bias(model)
@@ -105,8 +106,9 @@ def run_tier(args) -> list[dict]:
     # the smaller slot counts too (larger ones are refused rows). Models are shared by pool size.
     paths = args.host_path.split(",")
     compute_at = set(args.compute_budgets.split(",")) if args.compute_budgets else set()
-    copy_slots = [None if c == "auto" else int(c) for c in args.copy_slots.split(",")]
-    jobs: dict[tuple[int, str, int | None, int | None], list[tuple[str, int, int, MemoryPlan]]] = {}
+    copy_forms = [(None if c == "auto" else int(c), form) for c in args.copy_slots.split(",")
+                  for form in args.stream_copy.split(",")]  # (staging rows per round, how rows cross)
+    jobs: dict[tuple[int, str, tuple[int | None, str], int | None], list[tuple[str, int, int, MemoryPlan]]] = {}
     rows = []
     for label in args.budgets.split(","):
         for top in sorted(args.slots, reverse=True):
@@ -120,9 +122,9 @@ def run_tier(args) -> list[dict]:
             if label in FRACTIONS:  # exactly that share (MiB rounding may add a few small experts)
                 plan = dataclasses.replace(plan, gpu_experts=math.ceil(FRACTIONS[label] * cfg.num_experts))
             for path in paths + (["compute"] if label in compute_at and "compute" not in paths else []):
-                pool, slots_choices, chunk_slots = plan.gpu_experts, [None], None
+                pool, slots_choices, chunk_slots = plan.gpu_experts, [(None, "auto")], None
                 if path == "stream" and plan.gpu_experts < cfg.num_experts:
-                    slots_choices = copy_slots
+                    slots_choices = copy_forms
                     if label not in FRACTIONS:  # a card size: the staging's room comes out of the pool
                         streaming = stream_plan(plan, engine, "gpu", "stream")
                         print(f"budget {label}: {streaming.reason}", flush=True)
@@ -138,34 +140,36 @@ def run_tier(args) -> list[dict]:
             break
     model, built = None, None
     for (gpu_experts, path, slots_choice, chunk_slots), entries in sorted(
-            jobs.items(), key=lambda j: (-j[0][0], j[0][1], j[0][3] or 0, j[0][2] or 0)):
-        if built == (gpu_experts, path, chunk_slots):  # the same weights, another copy-slot count: recompile only
-            model = _with_copy_slots(model, slots_choice)
+            jobs.items(), key=lambda j: (-j[0][0], j[0][1], j[0][3] or 0, j[0][2][0] or 0, j[0][2][1])):
+        if built == (gpu_experts, path, chunk_slots):  # the same weights, another copy form: recompile only
+            model = _with_copy_form(model, *slots_choice)
         else:
             del model
             gc.collect()  # the next model's host stacks (17 GB at Flash-Next shapes) must not coexist with these
             t0 = time.monotonic()
             model = _build(cfg, quant, gpu_experts, dtype, host_kernel, "compute" if path == "none" else path,
-                           slots_choice, chunk_slots)
+                           slots_choice[0], chunk_slots, slots_choice[1])
             built = (gpu_experts, path, chunk_slots)
             print(f"model with {gpu_experts}/{cfg.num_experts} experts per layer on the device ({path}) built in "
                   f"{time.monotonic() - t0:.0f}s", flush=True)
         for row in (new := _measure(args, cfg, model, entries, routings, random_cache)):
-            row.update(host_path=path, copy_slots=slots_choice or "auto")
+            row.update(host_path=path, copy_slots=slots_choice[0] or "auto", stream_copy=slots_choice[1])
         rows += new
         if args.prefill_tokens and path != "compute":
             rows.append(_time_prefill(args, cfg, model, dict(budget=entries[0][0], budget_mib=entries[0][1],
                                                              gpu_experts=gpu_experts, experts=cfg.num_experts,
-                                                             host_path=path, copy_slots=slots_choice or "auto")))
+                                                             host_path=path, copy_slots=slots_choice[0] or "auto",
+                                                             stream_copy=slots_choice[1])))
     return rows
 
 
-def _with_copy_slots(model: LoadedModel, copy_slots: int | None) -> LoadedModel:
-    """`model`'s weights (shared, not copied) with every streaming layer staging `copy_slots` rows per round."""
+def _with_copy_form(model: LoadedModel, copy_slots: int | None, stream_copy: str) -> LoadedModel:
+    """`model`'s weights (shared, not copied) with every streaming layer staging `copy_slots` rows per round, copied
+    in the `stream_copy` form."""
     graph = nnx.merge(model.graphdef, model.state)
     for _, node in nnx.iter_graph(graph):
         if isinstance(node, QuantizedExperts) and node.streaming:
-            node.quant = dataclasses.replace(node.quant, copy_slots=copy_slots)
+            node.quant = dataclasses.replace(node.quant, copy_slots=copy_slots, stream_copy=stream_copy)
     return LoadedModel(model.path, model.config, graph, model.dtype, [], None, host_pool=model.host_pool)
 
 
@@ -297,8 +301,8 @@ def _time_prefill(args, cfg, model: LoadedModel, row: dict) -> dict:
 
 
 def print_tier_table(rows: list[dict]) -> None:
-    print("\n| budget | experts on GPU | host path (copy slots) | slots | routing | host kernel | decode tok/s "
-          "| ms/step | host ms/step (pairs) | streamed MB/step (experts) | GPU hit rate |")
+    print("\n| budget | experts on GPU | host path (copy slots, copy form) | slots | routing | host kernel "
+          "| decode tok/s | ms/step | host ms/step (pairs) | streamed MB/step (experts) | GPU hit rate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "refused" in r:
@@ -308,7 +312,8 @@ def print_tier_table(rows: list[dict]) -> None:
         if "ttft_s" in r:
             continue
         print(f"| {r['budget']} ({r['budget_mib']} MiB) | {r['gpu_experts']}/{r['experts']} "
-              f"| {r.get('host_path', 'compute')} ({r.get('copy_slots', '-')}) | {r['slots']} "
+              f"| {r.get('host_path', 'compute')} ({r.get('copy_slots', '-')}, {r.get('stream_copy', '-')}) "
+              f"| {r['slots']} "
               f"| {r['routing']} | {r['host_kernel']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} | {r['host_ms']:.1f} "
               f"({r['host_pairs']:.0f}) | {r.get('streamed_mb', 0):.1f} ({r.get('staged_experts', 0):.1f}) "
               f"| {r['hit_rate']:.1%} |")
@@ -341,6 +346,10 @@ def tier_args(p) -> None:
     p.add_argument("--copy-slots", default="auto",
                    help="tier mode, stream: comma-separated staging rows per decode round to compare (default auto: "
                    "sized per call from its pairs and the pool's share)")
+    p.add_argument("--stream-copy", default="auto",
+                   help="tier mode, stream: comma-separated forms of the copy to compare: slices (one copy per "
+                   "staging row), pallas (one kernel reading the host rows, dead rows skipped), auto (default: "
+                   "slices until pallas measures faster)")
     p.add_argument("--prefill-tokens", type=int, default=0,
                    help="tier mode: also time a prompt of this many tokens on every streaming or all-resident "
                    "model (default 0: off)")

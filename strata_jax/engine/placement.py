@@ -27,7 +27,8 @@ from flax import nnx
 
 from strata_jax.host.pool import HostPool
 from strata_jax.host.tier import HostTier
-from strata_jax.model.expert_stream import RowLayout, copy_rows
+from pallas_kernels.host_gather import gather_rows
+from strata_jax.model.expert_stream import RowLayout
 from strata_jax.model.moe import QuantizedExperts
 
 _KINDS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
@@ -59,7 +60,7 @@ def _write_pool(pool: tuple[jax.Array, ...], slots: jax.Array, rows: tuple[jax.A
 def _write_pool_streamed(pool: tuple[jax.Array, ...], host_rows: jax.Array, experts: jax.Array, slots: jax.Array,
                          layout: RowLayout) -> tuple[jax.Array, ...]:
     """`_write_pool` with the experts' rows copied from host memory [E, words] inside the call."""
-    return _write_pool(pool, slots, layout.unpack(copy_rows(host_rows, experts)))
+    return _write_pool(pool, slots, layout.unpack(gather_rows(host_rows, experts)))
 
 
 @dataclasses.dataclass

@@ -261,6 +261,7 @@ def _validate(cfg: ModelConfig) -> None:
 
 
 HOST_PATHS = ("compute", "stream")  # ExpertQuantization.host_path
+STREAM_COPIES = ("auto", "slices", "pallas")  # ExpertQuantization.stream_copy (pallas_kernels.host_gather.IMPLS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,12 +282,17 @@ class ExpertQuantization:
     # pool's share) and for prompt chunks (None: every expert outside the pool, one round).
     copy_slots: int | None = None
     prefill_copy_slots: int | None = None
+    # Streaming only: how a layer's missing experts cross from host memory (pallas_kernels.host_gather): "slices"
+    # (one copy per staging row), "pallas" (one kernel reading the host rows, dead rows skipped) or "auto".
+    stream_copy: str = "auto"
 
     def __post_init__(self):
         if self.gpu_experts is not None and self.gpu_experts < 1:
             raise ValueError(f"gpu_experts must be >= 1, got {self.gpu_experts}")
         if self.host_path not in HOST_PATHS:
             raise ValueError(f"host_path must be one of {', '.join(HOST_PATHS)}, got {self.host_path!r}")
+        if self.stream_copy not in STREAM_COPIES:
+            raise ValueError(f"stream_copy must be one of {', '.join(STREAM_COPIES)}, got {self.stream_copy!r}")
         for name in ("copy_slots", "prefill_copy_slots"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -3,10 +3,10 @@
 Experts outside a layer's device pool stay in host memory (the `pinned_host` memory kind, where the device has
 one) as one packed row of uint32 words per expert: the expert's gate_up bits, gate_up scales, down bits and down
 scales back to back (`RowLayout`; bf16 scales two to a word). After routing, a layer lists the experts its real
-tokens need that are not in the pool, copies them into `S` staging rows with one `lax.dynamic_slice_in_dim` +
-`jax.device_put(..., jax.memory.Space.Device)` per row (all inside the jitted step: XLA moves the bytes, no host
-round trip; a gather over a host array is refused, one slice per row is not) and runs the same expert kernel over
-them:
+tokens need that are not in the pool, copies them into `S` staging rows (`pallas_kernels.host_gather`: one
+`lax.dynamic_slice_in_dim` + `jax.device_put(..., jax.memory.Space.Device)` per row, or one Pallas kernel reading
+the host rows; all inside the jitted step: no host round trip; a gather over a host array is refused, one slice per
+row is not) and runs the same expert kernel over them:
 
 * small calls (decode, verify: tokens x top_k < experts): the pool's pairs through the kernel as before, then the
   staged pairs through a second kernel call over the `S` staging rows; when more experts are missing than `S`, a
@@ -14,8 +14,9 @@ them:
 * large calls (prompt chunks, which touch most experts): every expert outside the pool is staged, the staging rows
   are concatenated behind the pool and one kernel call serves every pair (the prefill kernel's grouped schedule).
 
-Shapes are fixed, so every staging row is copied whether or not a missing expert fills it (dead rows copy expert
-0): `S` trades bytes over PCIe against overflow rounds. `stream_copy_slots` sizes it per call from the call's pairs
+Shapes are fixed, so with the "slices" copy every staging row is copied whether or not a missing expert fills it
+(dead rows copy expert 0); the "pallas" copy skips dead rows' bytes (`ExpertQuantization.stream_copy`). `S` trades
+bytes over PCIe (or dead rows) against overflow rounds. `stream_copy_slots` sizes it per call from the call's pairs
 and the pool's share unless `ExpertQuantization.copy_slots` fixes it. On the CPU backend the host array is the CPU
 device's `pinned_host` memory and the copies are plain copies: tests run the same code.
 """
@@ -31,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from pallas_kernels import PackedExperts, moe_experts_1bit
+from pallas_kernels.host_gather import gather_rows, resolve_impl
 
 PARTS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
 
@@ -43,8 +45,8 @@ ASSUMED_MISS_SHARE = 0.5
 # all-resident, 2 rows per round 2.84 ms (the loop's predicate costs ~20 us a layer) and 5.72 ms with overflow rounds.
 SMALL_CALL_PAIRS = 16
 
-# Counters a streaming layer adds up per call (`StreamCounts`): distinct experts staged, rows copied (staged or
-# dead: the bytes over PCIe), rounds run.
+# Counters a streaming layer adds up per call (`StreamCounts`): distinct experts staged, rows copied (the bytes over
+# PCIe: staged and dead rows with the "slices" copy, staged ones only with "pallas"), rounds run.
 STAT_NAMES = ("staged_experts", "copied_rows", "rounds")
 
 
@@ -150,23 +152,16 @@ def stream_copy_slots(tokens: int, top_k: int, num_experts: int, pool: int, copy
     return max(1, min(outside, pairs, cap))
 
 
-def copy_rows(host_rows: jax.Array, experts: jax.Array) -> jax.Array:
-    """host_rows [E, W] (host memory) and experts [S] int32 -> those rows [S, W] in device memory: one slice and
-    device_put per row (the form the H200 probe measured at 31-36 GB/s)."""
-    rows = [jax.device_put(jax.lax.dynamic_slice_in_dim(host_rows, experts[j], 1, 0), jax.memory.Space.Device)
-            for j in range(experts.shape[0])]
-    return jnp.concatenate(rows, axis=0)
-
-
 def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array, slot_of: jax.Array,
                      pool_gate_up: PackedExperts, pool_down: PackedExperts, host_rows: jax.Array, layout: RowLayout,
                      *, copy_slots: int | None = None, prefill_copy_slots: int | None = None,
-                     impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+                     impl: str = "auto", copy_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Routed experts with the pool on the device and every expert's row in `host_rows` [E, W].
 
     x [N, H], ids/weights [N, k], valid bool [N] (only real tokens' experts are staged; padding rows' pairs on
-    experts outside the pool contribute nothing), slot_of int32 [E] (-1: not in the pool). Returns (out [N, H]
-    x.dtype, int32 [3] counters in `STAT_NAMES` order)."""
+    experts outside the pool contribute nothing), slot_of int32 [E] (-1: not in the pool); `impl`: the expert
+    kernel's, `copy_impl`: the copy's (`pallas_kernels.host_gather.gather_rows`). Returns (out [N, H] x.dtype, int32
+    [3] counters in `STAT_NAMES` order)."""
     n, k = ids.shape
     e = slot_of.shape[0]
     pool = pool_gate_up.bits.shape[0]
@@ -180,11 +175,12 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
     n_missing = jnp.sum(needed)
     rounds_total = -(-outside // s)
     missing = jnp.nonzero(needed, size=rounds_total * s, fill_value=e)[0].astype(jnp.int32)  # ascending, then e
+    skips_dead = resolve_impl(copy_impl) == "pallas"  # dead staging rows cost no bytes: only live rows are counted
 
     def stage(r):
         chosen = jax.lax.dynamic_slice_in_dim(missing, r * s, s)
         live = chosen < e
-        parts = layout.unpack(copy_rows(host_rows, jnp.where(live, chosen, 0)))
+        parts = layout.unpack(gather_rows(host_rows, jnp.where(live, chosen, -1), impl=copy_impl))
         stage_of = jnp.full((e,), -1, jnp.int32).at[chosen].set(jnp.arange(s, dtype=jnp.int32), mode="drop")
         return parts, stage_of[ids]
 
@@ -199,7 +195,7 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
         where = jnp.where(on_device, slot, pool + staged)
         out = moe_experts_1bit(x, jnp.where(served, where, 0), jnp.where(served, weights, 0.0), *packed(both),
                                impl=impl)
-        stats = jnp.stack([n_missing, jnp.int32(s), jnp.int32(1)]).astype(jnp.int32)
+        stats = jnp.stack([n_missing, n_missing if skips_dead else jnp.int32(s), jnp.int32(1)]).astype(jnp.int32)
         return out, stats
 
     def staged_round(r, acc):
@@ -216,5 +212,5 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
     if s < min(outside, n * k):  # more experts may be missing than one round stages: the overflow rounds
         rounds = jnp.maximum(1, (n_missing + s - 1) // s).astype(jnp.int32)
         out = jax.lax.fori_loop(1, rounds, staged_round, out)
-    stats = jnp.stack([n_missing, rounds * s, rounds]).astype(jnp.int32)
+    stats = jnp.stack([n_missing, n_missing if skips_dead else rounds * s, rounds]).astype(jnp.int32)
     return out.astype(x.dtype), stats

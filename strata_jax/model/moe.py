@@ -236,7 +236,8 @@ class QuantizedExperts(nnx.Module):
             q = self.quant
             out, stats = streamed_experts(x, ids, weights, valid, self.slot_of[...], gate_up, down,
                                           self.host_rows[...], self.layout, copy_slots=q.copy_slots,
-                                          prefill_copy_slots=q.prefill_copy_slots, impl=q.impl)
+                                          prefill_copy_slots=q.prefill_copy_slots, impl=q.impl,
+                                          copy_impl=q.stream_copy)
             self.streamed[...] = self.streamed[...] + stats
             return out
         slot = self.slot_of[...][ids]

@@ -28,57 +28,67 @@ def test_tier_mode_runs(tmp_path):
 
 
 def test_tier_mode_streams_beside_host_compute(tmp_path, capsys):
-    """`--host-path stream` with `--compute-budgets`, `--copy-slots auto,1` and `--prefill-tokens`: at a quarter
-    budget the streamed model serves the same pool hits and misses as the host-compute baseline with no host
-    callbacks; one staging row per round copies exactly the missing experts, while auto copies its fixed staging
-    every step; each prompt chunk stages every expert outside the pool, whatever the decode copy slots; the
+    """`--host-path stream` with `--compute-budgets`, `--copy-slots auto,1`, `--stream-copy slices,pallas` and
+    `--prefill-tokens`: at a quarter budget the streamed model serves the same pool hits and misses as the
+    host-compute baseline with no host callbacks; one staging row per round copies exactly the missing experts,
+    while auto's slices copy its fixed staging every step and auto's kernel only the rows that hold a missing
+    expert; each prompt chunk stages every expert outside the pool, whatever the decode copy slots; the
     all-resident model streams nothing."""
     out = tmp_path / "tier.json"
     assert main(["--mode", "tier", "--preset", "tiny", "--dtype", "float32", "--budgets", "all,quarter",
                  "--slots", "1", "--routing", "uniform,zipf", "--ctx", "64", "--fill", "8", "--steps", "2",
                  "--warm-steps", "4", "--placement-every", "2", "--host-path", "stream", "--compute-budgets",
-                 "quarter", "--copy-slots", "auto,1", "--prefill-tokens", "32", "--prefill-chunk", "16",
-                 "--json", str(out)]) == 0
+                 "quarter", "--copy-slots", "auto,1", "--stream-copy", "slices,pallas", "--prefill-tokens", "32",
+                 "--prefill-chunk", "16", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     decode = [r for r in rows if "tok_s" in r]
-    assert [(r["budget"], r["host_path"], r["copy_slots"], r["routing"]) for r in decode] == [
-        ("all", "none", "auto", "uniform"), ("all", "none", "auto", "zipf"),
-        ("quarter", "compute", "auto", "uniform"), ("quarter", "compute", "auto", "zipf"),
-        ("quarter", "stream", "auto", "uniform"), ("quarter", "stream", "auto", "zipf"),
-        ("quarter", "stream", 1, "uniform"), ("quarter", "stream", 1, "zipf")]
-    resident, compute, auto, one = decode[:2], decode[2:4], decode[4:6], decode[6:]
+    forms = [("auto", "pallas"), ("auto", "slices"), (1, "pallas"), (1, "slices")]
+    assert [(r["budget"], r["host_path"], r["copy_slots"], r["stream_copy"], r["routing"]) for r in decode] == [
+        ("all", "none", "auto", "auto", "uniform"), ("all", "none", "auto", "auto", "zipf"),
+        ("quarter", "compute", "auto", "auto", "uniform"), ("quarter", "compute", "auto", "auto", "zipf"),
+        *[("quarter", "stream", c, f, routing) for c, f in forms for routing in ("uniform", "zipf")]]
+    resident, compute, streamed = decode[:2], decode[2:4], decode[4:]
+    auto_kernel, auto_slices, one_kernel, one_slices = (streamed[i:i + 2] for i in range(0, 8, 2))
     assert all(r["gpu_experts"] == 16 and r["hit_rate"] == 1.0 and r["streamed_mb"] == 0 and r["host_pairs"] == 0
                for r in resident)
-    assert all(r["gpu_experts"] == 4 and 0.0 <= r["hit_rate"] < 1.0 for r in compute + auto + one)
+    assert all(r["gpu_experts"] == 4 and 0.0 <= r["hit_rate"] < 1.0 for r in compute + streamed)
     assert all(r["host_calls"] > 0 and r["host_pairs"] > 0 and r["streamed_mb"] == 0 and r["staged_experts"] == 0
                for r in compute)
     # Streaming takes the host's place: no callbacks, and the same routed pairs hit and miss the pool (outputs and
-    # placement unchanged), for either staging size. One slot's missed pairs are distinct experts: each staged once.
-    assert all(r["host_calls"] == 0 and r["host_ms"] == 0 and r["streamed_mb"] > 0 for r in auto + one)
-    for c, *streamed in zip(compute, auto, one):
+    # placement unchanged), for every staging size and copy form. One slot's missed pairs are distinct experts:
+    # each staged once.
+    assert all(r["host_calls"] == 0 and r["host_ms"] == 0 and r["streamed_mb"] > 0 for r in streamed)
+    for i, c in enumerate(compute):
         assert all(r["hit_rate"] == c["hit_rate"] and r["staged_experts"] == r["host_pairs"] == c["host_pairs"] > 0
-                   for r in streamed)
-    # One staging row per round (overflow rounds for the rest): the bytes are exactly the staged experts' rows.
-    # Auto sizes the staging to the token's pairs and copies every row each step, filled or not.
+                   for r in streamed[i::2])
+    # One staging row per round (overflow rounds for the rest), or the kernel at any staging size: the bytes are
+    # exactly the staged experts' rows. Auto's slices copy every staging row each step, filled or not.
     cfg = preset_config("tiny")
     layers = cfg.num_layers - len(cfg.dense_mlp_layers)
-    row_mb = one[0]["streamed_mb"] / one[0]["staged_experts"]
-    assert one[1]["streamed_mb"] == pytest.approx(one[1]["staged_experts"] * row_mb)
-    assert all(r["streamed_mb"] == pytest.approx(layers * cfg.num_experts_per_tok * row_mb) for r in auto)
-    assert all(a["streamed_mb"] > o["streamed_mb"] for a, o in zip(auto, one))
+    row_mb = one_slices[0]["streamed_mb"] / one_slices[0]["staged_experts"]
+    for r in one_slices + one_kernel + auto_kernel:
+        assert r["streamed_mb"] == pytest.approx(r["staged_experts"] * row_mb)
+    assert all(r["streamed_mb"] == pytest.approx(layers * cfg.num_experts_per_tok * row_mb) for r in auto_slices)
+    assert all(a["streamed_mb"] > o["streamed_mb"] for a, o in zip(auto_slices, auto_kernel))
     # A prompt on every all-resident and streaming model (not the host-compute one): every chunk stages all 12
-    # experts outside the pool in each layer.
+    # experts outside the pool in each layer; the kernel moves only those a chunk's tokens route to.
     prefill = [r for r in rows if "ttft_s" in r]
-    assert [(r["budget"], r["host_path"], r["copy_slots"]) for r in prefill] == [
-        ("all", "none", "auto"), ("quarter", "stream", "auto"), ("quarter", "stream", 1)]
+    assert [(r["budget"], r["host_path"], r["copy_slots"], r["stream_copy"]) for r in prefill] == [
+        ("all", "none", "auto", "auto"), *[("quarter", "stream", c, f) for c, f in forms]]
     assert all(r["prefill_tokens"] == 32 and r["prefill_chunk"] == 16 and r["ttft_s"] > 0 for r in prefill)
     assert prefill[0]["prefill_streamed_mb"] == 0
-    assert all(r["prefill_streamed_mb"] == pytest.approx(2 * layers * (16 - 4) * row_mb) for r in prefill[1:])
-    # The tables: one decode line per row, host path and copy slots shown; the prompts in their own table.
+    every_row = 2 * layers * (16 - 4) * row_mb
+    for r in prefill[1:]:
+        if r["stream_copy"] == "slices":
+            assert r["prefill_streamed_mb"] == pytest.approx(every_row)
+        else:
+            assert 0 < r["prefill_streamed_mb"] <= every_row + 1e-9
+    # The tables: one decode line per row, host path, copy slots and copy form shown; the prompts in their own table.
     text = capsys.readouterr().out
-    for path, n in (("none (auto)", 2), ("compute (auto)", 2), ("stream (auto)", 2), ("stream (1)", 2)):
-        assert text.count(f"| {path} |") == n
-    assert "| TTFT s | streamed MB |" in text and text.count("| 32 (16) |") == 3
+    for path in ("none (auto, auto)", "compute (auto, auto)", "stream (auto, pallas)", "stream (auto, slices)",
+                 "stream (1, pallas)", "stream (1, slices)"):
+        assert text.count(f"| {path} |") == 2, path
+    assert "| TTFT s | streamed MB |" in text and text.count("| 32 (16) |") == 5
 
 
 def test_users_mode_reports_hit_rate(tmp_path):

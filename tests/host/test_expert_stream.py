@@ -106,6 +106,24 @@ def test_overflow_rounds_are_exact(experts, tokens, quant, per_round):
     assert int(rounds) == -(-missing // per_round) and int(rows) == int(rounds) * per_round
 
 
+@pytest.mark.parametrize("tokens,quant", [(1, {}), (3, dict(copy_slots=1)), (12, {})])
+def test_the_pallas_copy_is_exact_and_moves_live_rows_only(experts, tokens, quant):
+    """`stream_copy="pallas"` (one kernel reading the host rows; interpret mode here): the same outputs as the
+    reference for decode, overflow rounds and a merged chunk, and the rows it counts as copied are the staged
+    experts alone (dead staging rows cost no bytes), where the "slices" copy counts every staging row."""
+    for copy in ("pallas", "slices"):
+        _, _, state, run = _module(experts, 8, stream_copy=copy, **quant)
+        x, ids, w, valid = _inputs(tokens, seed=21 + tokens)
+        out, counts = run(state, x, ids, w, valid)
+        _check(out, _reference(experts, x, ids, w, valid), valid)
+        staged, rows, rounds = [v.get_value() for p, v in nnx.to_flat_state(counts) if p[-1] == "streamed"][0]
+        slots = stream_copy_slots(tokens, K, E, 8, quant.get("copy_slots"))
+        assert int(rows) == (int(staged) if copy == "pallas" else int(rounds) * slots)
+        assert int(staged) == len({int(e) for e in np.asarray(ids).ravel() if e >= 8})
+    with pytest.raises(ValueError, match="stream_copy"):
+        ExpertQuantization(stream_copy="dma")
+
+
 def test_padding_rows_stage_nothing(experts):
     _, _, state, run = _module(experts, 8)
     x, ids, w, _ = _inputs(2, seed=3)
@@ -191,13 +209,13 @@ def test_no_pinned_host_memory_is_a_clear_error():
 
 def test_failing_copy_raises_and_returns_nothing(experts, monkeypatch):
     """A copy that fails inside the step fails the call (no output to mistake for tokens)."""
-    def broken(host_rows, chosen):
+    def broken(host_rows, chosen, impl):
         def fail(_):
             raise OSError("DMA from pinned host memory failed")
         return jax.pure_callback(fail, jax.ShapeDtypeStruct((chosen.shape[0], host_rows.shape[1]), jnp.uint32),
                                  chosen)
 
-    monkeypatch.setattr(expert_stream, "copy_rows", broken)
+    monkeypatch.setattr(expert_stream, "gather_rows", broken)
     _, _, state, run = _module(experts, 8)
     x, ids, w, valid = _inputs(1, seed=5)
     with pytest.raises(Exception, match="DMA from pinned host memory failed"):
@@ -209,12 +227,13 @@ def resident():
     return strata_jax.load_model(CKPT, quantize="1bit", group=64)
 
 
-@pytest.mark.parametrize("gpu_experts,copy_slots", [(4, None), (2, None), (2, 1)])
-def test_model_split_matches_all_resident(resident, gpu_experts, copy_slots):
+@pytest.mark.parametrize("gpu_experts,copy_slots,copy", [(4, None, "auto"), (2, None, "auto"), (2, 1, "auto"),
+                                                          (2, None, "pallas")])
+def test_model_split_matches_all_resident(resident, gpu_experts, copy_slots, copy):
     """The fixture model: greedy tokens and logits as all resident, for half and a quarter of the experts streamed
-    (and with one staging row, every step overflowing into extra rounds)."""
+    (and with one staging row, every step overflowing into extra rounds; and copied by the Pallas kernel)."""
     split = strata_jax.load_model(CKPT, quantize="1bit", group=64, gpu_experts=gpu_experts, host_path="stream",
-                                  copy_slots=copy_slots)
+                                  copy_slots=copy_slots, stream_copy=copy)
     ids = np.asarray([PROMPT + PROMPT[:6], PROMPT[::-1] + PROMPT[:6]], np.int32)
     a, b = resident.logits(ids), split.logits(ids)
     tol = 1e-4 if jax.default_backend() == "cpu" else 1e-2  # the GPU kernel rounds partial sums to bf16
