@@ -164,7 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(mesh.describe(), flush=True)
         model = load_model(model_dir, dtype=dtype, gpu_experts=gpu_experts, host_kernel=args.host_kernel,
                            host_workers=args.pool_workers, host_path=setup.host_path, copy_slots=args.copy_slots,
-                           prefill_copy_slots=setup.prefill_copy_slots,
+                           prefill_copy_slots=setup.prefill_copy_slots, stream_copy=args.stream_copy,
                            mesh=None if mesh is None else mesh.make(), expert_exchange=args.expert_exchange,
                            prefill_attention=args.prefill_attention, fused_decode=args.fused_decode)
         if model.tokenizer is None:
@@ -311,6 +311,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--copy-slots", type=int, default=None, metavar="N",
                      help="streaming: staging rows per round of a decode step, per MoE layer (default: sized for "
                      "each step from its tokens and the pool's share of the experts)")
+    srv.add_argument("--stream-copy", choices=("auto", "slices", "pallas"), default="auto",
+                     help="streaming: how missing experts cross to the GPU: slices (one copy per staging row, every "
+                     "row copied), pallas (one kernel per layer reading pinned host memory, unused rows skipped; "
+                     "not yet measured on a GPU) or auto (default: slices)")
     srv.add_argument("--draft", default="none",
                      help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
                      "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")
