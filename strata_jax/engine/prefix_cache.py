@@ -12,8 +12,8 @@ others.
 Snapshots are taken without stalling the step loop: the slot's state is copied on the device (a jitted read, queued
 behind the step that wrote it). With a device pool (`device_budget_bytes`, where the card has memory to spare)
 the copy stays there and is restored device to device; snapshots beyond the pool (its least recently used) go to
-host memory: their device-to-host copy is started (`copy_to_host_async`) and a worker thread waits for it and cuts
-the KV to the prefix; the snapshot is taken as landed between steps (`poll`) or when a lookup needs it. Host RAM is
+host memory: a worker thread copies them there (the host buffers are allocated off the engine thread) and cuts the
+KV to the prefix; the snapshot is taken as landed between steps (`poll`) or when a lookup needs it. Host RAM is
 the larger pool; KV is stored only up to the prefix length there.
 """
 
