@@ -42,6 +42,7 @@ SLOW_TESTS = {
                               "test_bf16_cache_on_a_float32_model", "test_prefix_cache_hit_is_exact",
                               "test_sampling_is_reproducible_and_independent_of_batch"},
     "engine/test_engine_overlap.py": {"test_cancelling_one_request_leaves_the_others_exact",
+                                      "test_a_short_prompt_bursts_beside_a_decoder",  # the policy's test is quick
                                       "test_overlap_off_takes_the_plain_path",
                                       "test_overlapped_decode_equals_the_plain_api"},
     "host/test_host_experts.py": {"test_matches_float64_reference"},

@@ -91,14 +91,18 @@ class PrefillPolicy:
         return total
 
     def burst(self, jobs: Sequence[Job], decoding: bool) -> Job | None:
-        """The prompt to prefill at once this iteration (see "Burst"), or None: the one bursting already while
-        it prefills, else the first of `jobs` (in `order`) whose remaining prefill fits `prefill_burst_ms`, while
-        the share's debt is under one burst."""
-        if self._bursting is not None and self._bursting in jobs:
+        """The prompt to prefill at once this iteration (see "Burst"), or None: while slots decode, the one bursting
+        already while it prefills, else the first of `jobs` (in `order`) whose remaining prefill fits
+        `prefill_burst_ms`, while the share's debt is under one burst. With nobody decoding, None: every call is
+        full width then, several prompts together."""
+        limit = self.config.prefill_burst_ms / 1e3
+        if not decoding or limit <= 0 or self.config.decode_share <= 0:
+            self._bursting = None
+            return None
+        if self._bursting in jobs:
             return self._bursting
         self._bursting = None
-        limit = self.config.prefill_burst_ms / 1e3
-        if not decoding or limit <= 0 or self.config.decode_share <= 0 or self._credit <= -limit:
+        if self._credit <= -limit:
             return None
         self._bursting = next((job for job in jobs if self.estimate(job) <= limit), None)
         self.bursts += self._bursting is not None

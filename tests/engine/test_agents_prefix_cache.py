@@ -231,6 +231,7 @@ def test_a_prompt_that_fits_the_burst_prefills_at_once_and_long_ones_stay_paced(
     for _ in range(200):
         policy.decoded(0.01, prefilling=True)
     assert policy.burst([first, other], decoding=True) is other and policy.bursts == 2
+    assert policy.burst([first, other], decoding=False) is None  # the decoders ended: full-width calls as usual
     off = PrefillPolicy(dataclasses.replace(config, prefill_burst_ms=0))
     off.warmed_up({("prefill", 256, 1): 0.05, ("prefill", 1024, 1): 0.1})
     assert off.burst([later], decoding=True) is None

@@ -212,21 +212,23 @@ def test_a_failing_step_fails_running_requests_and_the_engine_recovers(engine, m
 
 
 def test_prefix_reads_copy_only_the_filled_part(engine, monkeypatch):
-    """A prefix snapshot reads the slot's KV up to a power-of-two bucket past the prefix, not the whole context
+    """A prefix snapshot reads the slot's KV up to a bucket past the prefix (two per octave), not the whole context
     (at 65,536 positions the whole read cost seconds per prefill chunk on the H200), and equals the full read there;
     with the prefix cache off nothing is read at all."""
     import jax
 
-    from strata_jax.engine.runner import read_length
+    from strata_jax.engine.runner import read_length, read_lengths
     from strata_jax.model.cache import map_kv_positions
 
     runner = engine._runner
-    assert read_length(1, 65536) == 1024 and read_length(1025, 65536) == 2048 and read_length(5000, 4096) == 4096
+    assert read_length(1, 65536) == 1024 and read_length(5000, 4096) == 4096
+    assert [read_length(n, 65536) for n in (1025, 1537, 20000, 24577, 34381)] == [1536, 2048, 24576, 32768, 49152]
+    assert read_lengths(4096) == [1024, 1536, 2048, 3072, 4096] and read_lengths(1000) == [1000]
     monkeypatch.setattr("strata_jax.engine.runner.READ_MIN", 16)  # buckets below this fixture's 160 positions
     full = runner.read(0)
     part = runner.read(0, 40)
     length = read_length(40, runner.cache.max_len)
-    assert length == 64 < runner.cache.max_len
+    assert length == 48 < runner.cache.max_len
     cut = map_kv_positions(full, lambda x, axis: x[(slice(None),) * axis + (slice(0, length),)])
     for a, b in zip(jax.tree_util.tree_leaves(cut), jax.tree_util.tree_leaves(part)):
         assert a.shape == b.shape and np.array_equal(a, b)
