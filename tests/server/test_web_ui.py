@@ -92,6 +92,14 @@ def _wait(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
+def _number(driver, element_id: str) -> float:
+    """An element's text as a number (0 while it shows none, e.g. "-" before the first poll)."""
+    try:
+        return float(driver.find_element("id", element_id).text)
+    except ValueError:
+        return 0.0
+
+
 def _set(driver, field: str, value: str) -> None:
     from selenium.webdriver.common.keys import Keys
 
@@ -140,7 +148,11 @@ def test_the_page_chats_stops_and_monitors(server, browser, tmp_path):
         if "finish:" in _text(driver, ".msg.assistant .meta"):
             continue  # ended by itself before Stop: try again
         assert in_flight and "openai" in driver.find_element("id", "mon-requests").text
-        assert float(driver.find_element("id", "mon-tok-s").text) > 0
+        # The monitor's poll that showed the request may predate its first tokens: its rate shows on a later poll.
+        _wait(lambda: _number(driver, "mon-tok-s") > 0 or "finish:" in _text(driver, ".msg.assistant .meta"), 10,
+              "the monitor's tok/s to count the streamed tokens")
+        if "finish:" in _text(driver, ".msg.assistant .meta"):
+            continue
         driver.find_element("id", "stop").click()
         meta = _wait(lambda: _text(driver, ".msg.assistant .meta"), 10, "the answer's footer")
         if "finish:" in meta:
