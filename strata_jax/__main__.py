@@ -12,7 +12,7 @@ from pathlib import Path
 from strata_jax.compile_cache import default_cache_dir
 from strata_jax.demo import DEMO_MODEL
 from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT
-from strata_jax.model.config import PREFILL_ATTENTION_IMPLS
+from strata_jax.model.config import PREFILL_ATTENTION_IMPLS, STREAM_COPIES
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -311,7 +311,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--copy-slots", type=int, default=None, metavar="N",
                      help="streaming: staging rows per round of a decode step, per MoE layer (default: sized for "
                      "each step from its tokens and the pool's share of the experts)")
-    srv.add_argument("--stream-copy", choices=("auto", "slices", "pallas"), default="auto",
+    srv.add_argument("--stream-copy", choices=STREAM_COPIES, default="auto",
                      help="streaming: how missing experts cross to the GPU: slices (one copy per staging row, every "
                      "row copied), pallas (one kernel per layer reading pinned host memory, unused rows skipped; "
                      "not yet measured on a GPU) or auto (default: slices)")

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.host_gather import gather_rows
 from strata_jax.host.pool import HostPool
 from strata_jax.host.tier import HostTier
-from pallas_kernels.host_gather import gather_rows
 from strata_jax.model.expert_stream import RowLayout
 from strata_jax.model.moe import QuantizedExperts
 

@@ -69,15 +69,25 @@ class PrefillPolicy:
         self.shapes = mixed_shapes(config, {})
         self.mixed = best_shape(self.shapes, max(b for _, b in self.shapes))  # the most tokens a mixed call takes
         self._credit = 0.0  # prefill seconds the decoders' share allows now (negative: prefill is ahead)
+        self._warm_up: Mapping[tuple[str, int, int], float] = {}
         self._seconds: dict[int, float] = {}  # chunk width -> a one-prompt call's seconds at warm-up
         self._bursting: Job | None = None
-        self.bursts = 0
+        self.bursts = 0  # bursts started over the engine's life (/metrics)
 
     def warmed_up(self, seconds: Mapping[tuple[str, int, int], float]) -> None:
         """Takes the mixed shapes and the one-prompt call times from warm-up's timed calls."""
+        self._warm_up = seconds
         self.shapes = mixed_shapes(self.config, seconds)
         self.mixed = best_shape(self.shapes, max(b for _, b in self.shapes))
         self._seconds = {w: s for (name, w, b), s in seconds.items() if name == "prefill" and b == 1}
+
+    def reconfigure(self, config: EngineConfig) -> None:
+        """Follows `config`'s pacing from now on (`Engine.set_prefill_pacing`): shapes chosen anew from the same
+        warm-up times, the share's account and any burst started afresh; the counters go on."""
+        self.config = config
+        self._credit = 0.0
+        self._bursting = None
+        self.warmed_up(self._warm_up)
 
     def estimate(self, job: Job) -> float:
         """Seconds `job`'s remaining prefill takes alone at full width (pieces on the largest chunk's grid, each

@@ -182,9 +182,7 @@ class Scheduler:
                 ended, self._ended = self._ended, {}
                 pacing, self._pacing = self._pacing, None
                 if pacing is not None:
-                    bursts, self.policy = self.policy.bursts, PrefillPolicy(pacing)
-                    self.policy.bursts = bursts  # a counter of the engine's life, as /metrics shows it
-                    self.policy.warmed_up(self.runner.step_seconds)
+                    self.policy.reconfigure(pacing)
                 if self._clear_prefix_cache:
                     self._clear_prefix_cache = False
                     self.prefix_cache.clear()

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.host_gather import gather_rows, gather_rows_pallas, resolve_impl
+from pallas_kernels.host_gather import IMPLS, gather_rows, gather_rows_pallas, resolve_impl
+from strata_jax.model.config import STREAM_COPIES
 
 
 def _host(rows: np.ndarray) -> jax.Array:
@@ -40,5 +41,6 @@ def test_small_blocks_cover_every_word():
 def test_impl_choice():
     assert resolve_impl("auto") == "slices"  # until the kernel measures faster on a GPU
     assert resolve_impl("pallas") == "pallas"
+    assert IMPLS == STREAM_COPIES  # the JAX-free config validates against its own copy of the list
     with pytest.raises(ValueError, match="impl must be one of"):
         resolve_impl("dma")
