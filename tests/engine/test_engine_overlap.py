@@ -172,8 +172,8 @@ def test_a_short_prompt_bursts_beside_a_decoder(model, burst_ms):
             assert widths == [32, 32, 32], widths
             assert after["prefill_bursts_total"] - before["prefill_bursts_total"] == 1
         else:
-            # paced 8-token pieces while the decoder runs (full width once it has ended)
-            assert widths[:2] == [8, 8] and after["prefill_deferred_total"] > before["prefill_deferred_total"], widths
+            # a paced 8-token piece while the decoder runs, then calls deferred (full width once it has ended)
+            assert widths[0] == 8 and after["prefill_deferred_total"] > before["prefill_deferred_total"], widths
             assert after["prefill_bursts_total"] == before["prefill_bursts_total"]
     finally:
         eng.shutdown()
