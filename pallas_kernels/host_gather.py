@@ -7,15 +7,14 @@ Two forms:
 
 * ``"slices"`` (the reference and the fallback): one ``lax.dynamic_slice_in_dim`` + ``jax.device_put`` to device
   memory per row. XLA accepts a slice of a host-memory array where it refuses a gather; every row is copied, a dead
-  one copying row 0, since shapes are fixed. On the H200 (2026-12-02) each such copy cost ~50-85 us inside the
-  step, an effective 8-14 GB/s: 480 copies of 691 KB added 24-41 ms to a one-user step (docs/PERF.md, "Streamed
-  experts").
-* ``"pallas"``: one Pallas kernel (Triton lowering) that reads the host table directly, pinned host memory being
-  addressable from the GPU: grid ``(rows, row words / block)``, each program loads one block of its row and stores
-  it, a dead row's loads masked off so that its bytes never cross PCIe. One launch per call instead of one copy
-  per row, and no bytes for dead rows. Whether XLA hands a host-memory operand to the kernel as it is (rather than
-  copying the whole table to the device first) is what `python -m strata_jax.bench --mode tier --stream-copy
-  slices,pallas` measures; until it measures faster, ``"auto"`` is ``"slices"``.
+  one copying row 0, since shapes are fixed.
+* ``"pallas"`` (``"auto"`` on a GPU): one Pallas kernel (Triton lowering) that reads the host table directly,
+  pinned host memory being addressable from the GPU: grid ``(rows, row words / block)``, each program loads one
+  block of its row and stores it, a dead row's loads masked off so that its bytes never cross PCIe. One launch per
+  call instead of one copy per row, and no bytes for dead rows. XLA hands the kernel the host buffer as it is (no
+  copy of the table in the compiled module). On the H200 (2026-12-03, 48 chained calls of 10 rows of 691 KB from a
+  pinned [165, 172800] table): 2.61 ms with 3 live rows per call (38 GB/s of live rows), 7.29 ms with 10 (46 GB/s),
+  0.52 ms with none, against 9.3-9.5 ms for the slices whatever the live count (docs/PERF.md, "Streamed experts").
 
 On the CPU backend host and device memory are the same memory; the kernel runs in interpret mode there (tests).
 """
@@ -30,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 IMPLS = ("auto", "slices", "pallas")
-AUTO_PALLAS = False  # "auto" -> "slices" until the kernel is measured faster on a GPU
+AUTO_PALLAS = True  # "auto" -> "pallas" on a GPU: faster than the slices at every live-row count (above)
 BLOCK = 2048  # uint32 words a program moves: 8 KB, 16 words per thread at 4 warps
 
 

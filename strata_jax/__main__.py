@@ -314,7 +314,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--stream-copy", choices=STREAM_COPIES, default="auto",
                      help="streaming: how missing experts cross to the GPU: slices (one copy per staging row, every "
                      "row copied), pallas (one kernel per layer reading pinned host memory, unused rows skipped; "
-                     "not yet measured on a GPU) or auto (default: slices)")
+                     "3.6x faster than slices on the H200) or auto (default: pallas on a GPU, slices elsewhere)")
     srv.add_argument("--draft", default="none",
                      help="speculative drafter for every slot: mtp (the checkpoint's MTP head), ngram (prompt "
                      "lookup), a small draft model's checkpoint DIR (same tokenizer, no PLE), or none (default)")

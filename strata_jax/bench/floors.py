@@ -98,11 +98,8 @@ def memory_bandwidth(gib: float | None = None, reps: int = 7) -> tuple[float, fl
     return 2 * n * 4 / _median_seconds(copy, a, reps), n * 4 / _median_seconds(read, a, reps)
 
 
-def kernel_ops(hlo_text: str) -> dict[str, int]:
-    """Kernels a compiled (optimised) HLO module launches per execution, by opcode: every instruction of the entry
-    computation that is not free (fusion, custom-call, copy, ...), with the bodies of loops and calls counted once
-    (a loop body runs many times; this counts its kernels once). Instructions inside fused computations are not
-    kernels and are not counted."""
+def _computations(hlo_text: str) -> tuple[str | None, dict[str, list[str]]]:
+    """(the entry computation's name, every computation's instruction lines) of an HLO module's text."""
     computations: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -116,6 +113,13 @@ def kernel_ops(hlo_text: str) -> dict[str, int]:
             current = None
         elif current is not None:
             computations[current].append(line)
+    return entry, computations
+
+
+def _launching_ops(hlo_text: str, graphs_as_one: bool) -> dict[str, int]:
+    """Kernel-launching instructions per execution by opcode (see `kernel_ops`); with `graphs_as_one`, a call of
+    one of XLA's command buffers (a CUDA graph, launched by the host as one) counts once, as "command-buffer"."""
+    entry, computations = _computations(hlo_text)
     counts: dict[str, int] = {}
     seen: set[str] = set()
 
@@ -129,17 +133,36 @@ def kernel_ops(hlo_text: str) -> dict[str, int]:
                 continue
             op = m.group(1)
             if op in _CONTROL_OPS:
-                for callee in re.findall(r"(?:body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line):
-                    visit(callee)
+                callees = re.findall(r"(?:body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line)
                 for callee in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                    for c in callee.split(","):
-                        visit(c.strip().lstrip("%"))
+                    callees += [c.strip().lstrip("%") for c in callee.split(",")]
+                if graphs_as_one and op == "call" and any(c.startswith("command_buffer") for c in callees):
+                    counts["command-buffer"] = counts.get("command-buffer", 0) + 1
+                    continue
+                for callee in callees:
+                    visit(callee)
                 continue
             counts[op] = counts.get(op, 0) + 1
 
     if entry is not None:
         visit(entry)
     return counts
+
+
+def kernel_ops(hlo_text: str) -> dict[str, int]:
+    """Kernels a compiled (optimised) HLO module launches per execution, by opcode: every instruction of the entry
+    computation that is not free (fusion, custom-call, copy, ...), with the bodies of loops and calls counted once
+    (a loop body runs many times; this counts its kernels once). Instructions inside fused computations are not
+    kernels and are not counted."""
+    return _launching_ops(hlo_text, graphs_as_one=False)
+
+
+def host_launches(hlo_text: str) -> tuple[int, int]:
+    """(command buffers, launches the host makes per execution) of a compiled GPU module: kernels outside XLA's
+    command buffers count one each, each command buffer (a CUDA graph of many kernels) counts one. A step whose
+    kernels fall out of its graphs pays a host launch for each of them."""
+    ops = _launching_ops(hlo_text, graphs_as_one=True)
+    return ops.get("command-buffer", 0), sum(ops.values())
 
 
 def count_kernels(hlo_text: str) -> int:

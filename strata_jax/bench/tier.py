@@ -41,6 +41,7 @@ from strata_jax.engine.steps import decode_step, greedy_sampling, jit_step, pref
 from strata_jax.model.cache import init_cache
 from strata_jax.host.pool import HostPool, check_kernel
 from strata_jax.model.moe import QuantizedExperts, add_routing_bias
+from strata_jax.bench.floors import count_kernels, host_launches
 from strata_jax.bench.synthetic import preset_config, random_cache, synthetic_model
 
 FRACTIONS = {"all": 1.0, "half": 0.5, "quarter": 0.25}
@@ -194,8 +195,10 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
         cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, model.dtype))
         t0 = time.monotonic()
         compiled = decode.lower(weights(), cache, *inputs(s)).compile()
+        graphs, launches = host_launches(compiled.as_text())
         print(f"compiled decode[{s}] ({placement.layers[0].module.pool_size if placement.active else 'all'} "
-              f"experts on the device) in {time.monotonic() - t0:.0f}s", flush=True)
+              f"experts on the device) in {time.monotonic() - t0:.0f}s: {count_kernels(compiled.as_text())} kernels, "
+              f"{launches} host launches ({graphs} command buffers)", flush=True)
         return s, compiled
 
     slots = sorted({s for _, _, s, _ in entries})
@@ -210,9 +213,13 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
             for kernel in args.host_kernel.split(",") if placement.active else ["-"]:
                 if placement.active:
                     model.host_pool.use_kernel(kernel)
+                hlo = compiled[s].as_text()
+                graphs, launches = host_launches(hlo)
                 rows.append(_time_row(args, cfg, model, placement, compiled[s], weights, inputs(s), random_cache,
                                       dict(budget=label, budget_mib=mib, gpu_experts=plan.gpu_experts,
-                                           experts=plan.num_experts, slots=s, routing=routing, host_kernel=kernel)))
+                                           experts=plan.num_experts, slots=s, routing=routing, host_kernel=kernel,
+                                           kernels=count_kernels(hlo), host_launches=launches,
+                                           command_buffers=graphs)))
     return rows
 
 
@@ -239,6 +246,15 @@ def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, wei
         t0 = time.perf_counter()
         cache, ins = step(cache, ins)
         times.append(time.perf_counter() - t0)
+    # The same steps back to back, nothing read between them and placement untouched: the gap to ms/step is what
+    # the host adds per step (token read, placement); this figure is the device's (and the launches').
+    w = weights()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        out = fn(w, cache, *ins)
+        cache, ins = out[2], (out[0], *ins[1:])
+    jax.block_until_ready(out[0])
+    chained_ms = (time.perf_counter() - t0) / args.steps * 1e3
     placement.round(place=False)
     after = placement.stats()
     host_calls, host_s = (b - a for a, b in zip(host_before, model.host_pool.busy()))
@@ -251,12 +267,13 @@ def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, wei
                hit_rate=hits / pairs if placement.active and pairs else 1.0,
                promotions=after.get("expert_promotions_total", 0), host_ms=host_s / args.steps * 1e3,
                host_calls=host_calls / args.steps, host_pairs=(pairs - hits) / args.steps,
-               streamed_mb=streamed_mb / args.steps, staged_experts=staged / args.steps)
+               streamed_mb=streamed_mb / args.steps, staged_experts=staged / args.steps, chained_ms=chained_ms)
     print(f"budget {row['budget']} ({row['budget_mib']} MiB, {row['gpu_experts']}/{row['experts']} experts on the "
           f"device), {s} slots, {row['routing']}: {row['tok_s']:.1f} tok/s ({step_ms:.1f} ms/step), hit rate "
           f"{row['hit_rate']:.1%}; host kernel {row['host_kernel']}: {row['host_ms']:.1f} ms/step in "
           f"{row['host_calls']:.0f} callbacks for {row['host_pairs']:.0f} pairs; streamed "
-          f"{row['streamed_mb']:.1f} MB per step ({row['staged_experts']:.1f} experts staged)", flush=True)
+          f"{row['streamed_mb']:.1f} MB per step ({row['staged_experts']:.1f} experts staged); back to back "
+          f"{chained_ms:.1f} ms/step", flush=True)
     return row
 
 
@@ -302,19 +319,21 @@ def _time_prefill(args, cfg, model: LoadedModel, row: dict) -> dict:
 
 def print_tier_table(rows: list[dict]) -> None:
     print("\n| budget | experts on GPU | host path (copy slots, copy form) | slots | routing | host kernel "
-          "| decode tok/s | ms/step | host ms/step (pairs) | streamed MB/step (experts) | GPU hit rate |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| decode tok/s | ms/step (back to back) | host launches (graphs) | host ms/step (pairs) "
+          "| streamed MB/step (experts) | GPU hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "refused" in r:
             print(f"| {r['budget']} ({r['budget_mib']} MiB) | refused | - | {r['slots']} | - | - | - | - | - | - "
-                  "| - |")
+                  "| - | - |")
             continue
         if "ttft_s" in r:
             continue
         print(f"| {r['budget']} ({r['budget_mib']} MiB) | {r['gpu_experts']}/{r['experts']} "
               f"| {r.get('host_path', 'compute')} ({r.get('copy_slots', '-')}, {r.get('stream_copy', '-')}) "
               f"| {r['slots']} "
-              f"| {r['routing']} | {r['host_kernel']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} | {r['host_ms']:.1f} "
+              f"| {r['routing']} | {r['host_kernel']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} ({r['chained_ms']:.1f}) "
+              f"| {r['host_launches']} ({r['command_buffers']}) | {r['host_ms']:.1f} "
               f"({r['host_pairs']:.0f}) | {r.get('streamed_mb', 0):.1f} ({r.get('staged_experts', 0):.1f}) "
               f"| {r['hit_rate']:.1%} |")
     prefill = [r for r in rows if "ttft_s" in r]
@@ -349,7 +368,7 @@ def tier_args(p) -> None:
     p.add_argument("--stream-copy", default="auto",
                    help="tier mode, stream: comma-separated forms of the copy to compare: slices (one copy per "
                    "staging row), pallas (one kernel reading the host rows, dead rows skipped), auto (default: "
-                   "slices until pallas measures faster)")
+                   "pallas on a GPU, slices elsewhere)")
     p.add_argument("--prefill-tokens", type=int, default=0,
                    help="tier mode: also time a prompt of this many tokens on every streaming or all-resident "
                    "model (default 0: off)")

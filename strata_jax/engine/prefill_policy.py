@@ -21,8 +21,8 @@ Three rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
   seconds since it was submitted / `prefill_aging_s`). That alone lets a stream of short prompts hold back a long
   one for minutes (a 9,000-token tail overtakes a fresh 300-token turn only after 145 s; on the H200 two of eight
   agents' first turns waited 50 and 60 s), so a prompt waiting `STARVED_AGINGS` x `prefill_aging_s` or longer goes
-  ahead of every other, the longest waiting first. Prompts that run together in one call are the first in that
-  order with others of the same compiled width.
+  ahead of every other, the longest waiting first, and no burst overtakes it. Prompts that run together in one call
+  are the first in that order with others of the same compiled width.
 """
 
 from __future__ import annotations
@@ -100,11 +100,12 @@ class PrefillPolicy:
             pos = piece
         return total
 
-    def burst(self, jobs: Sequence[Job], decoding: bool) -> Job | None:
+    def burst(self, jobs: Sequence[Job], decoding: bool, now: float | None = None) -> Job | None:
         """The prompt to prefill at once this iteration (see "Burst"), or None: while slots decode, the one bursting
         already while it prefills, else the first of `jobs` (in `order`) whose remaining prefill fits
-        `prefill_burst_ms`, while the share's debt is under one burst. With nobody decoding, None: every call is
-        full width then, several prompts together."""
+        `prefill_burst_ms`, while the share's debt is under one burst; never one behind a starved prompt (bursts
+        are charged to the share, so short prompts bursting past it would hold it back again). With nobody
+        decoding, None: every call is full width then, several prompts together."""
         limit = self.config.prefill_burst_ms / 1e3
         if not decoding or limit <= 0 or self.config.decode_share <= 0:
             self._bursting = None
@@ -114,6 +115,8 @@ class PrefillPolicy:
         self._bursting = None
         if self._credit <= -limit:
             return None
+        if jobs and self.starved(jobs[0], now):
+            jobs = jobs[:1]
         self._bursting = next((job for job in jobs if self.estimate(job) <= limit), None)
         self.bursts += self._bursting is not None
         return self._bursting
@@ -145,6 +148,11 @@ class PrefillPolicy:
         # A one-call cap: a burst of prefill after a long decode-only stretch would stall the decoders.
         self._credit = min(self._credit + seconds * (1 - share) / share, self.config.mixed_step_ms / 1e3)
 
+    def starved(self, job: Job, now: float | None = None) -> bool:
+        """Whether `job` has waited `STARVED_AGINGS` agings or longer (it goes ahead of every other)."""
+        now = time.monotonic() if now is None else now
+        return now - job.submitted >= STARVED_AGINGS * max(self.config.prefill_aging_s, 1e-9)
+
     def order(self, jobs: Sequence[Job], now: float | None = None) -> list[Job]:
         """`jobs` (prefilling) in the order their pieces should run: those waiting `STARVED_AGINGS` agings or longer
         first, the longest waiting first; then shortest remaining prefill first, aged."""
@@ -153,7 +161,7 @@ class PrefillPolicy:
 
         def key(job: Job) -> tuple[bool, float, float]:
             waited = max(now - job.submitted, 0.0)
-            if waited >= STARVED_AGINGS * aging:
+            if self.starved(job, now):
                 return False, job.submitted, 0.0
             return True, (len(job.fill) - job.pos) / (1.0 + waited / aging), job.submitted
 

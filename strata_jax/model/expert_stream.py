@@ -10,12 +10,16 @@ row is not) and runs the same expert kernel over them:
 
 * small calls (decode, verify: tokens x top_k < experts): the pool's pairs through the kernel as before, then the
   staged pairs through a second kernel call over the `S` staging rows; when more experts are missing than `S`, a
-  `lax.fori_loop` runs further rounds of `S` (exact; the loop exists only when overflow is possible at all);
+  `lax.fori_loop` runs further rounds of `S` (exact; the loop exists only when overflow is possible at all). When
+  every pair has its own staging row (`S` = the call's pairs: up to `SMALL_CALL_PAIRS`), row j holds pair j's expert
+  if it is the first missed pair of that expert, and no list of missing experts is built (fewer small kernels per
+  layer; a decode step runs this once per layer);
 * large calls (prompt chunks, which touch most experts): every expert outside the pool is staged, the staging rows
   are concatenated behind the pool and one kernel call serves every pair (the prefill kernel's grouped schedule).
 
 Shapes are fixed, so with the "slices" copy every staging row is copied whether or not a missing expert fills it
-(dead rows copy expert 0); the "pallas" copy skips dead rows' bytes (`ExpertQuantization.stream_copy`). `S` trades
+(dead rows copy expert 0); the "pallas" copy (the GPU's default) skips dead rows' bytes
+(`ExpertQuantization.stream_copy`). `S` trades
 bytes over PCIe (or dead rows) against overflow rounds. `stream_copy_slots` sizes it per call from the call's pairs
 and the pool's share unless `ExpertQuantization.copy_slots` fixes it. On the CPU backend the host array is the CPU
 device's `pinned_host` memory and the copies are plain copies: tests run the same code.
@@ -171,11 +175,35 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
     slot = slot_of[ids]
     on_device = slot >= 0
     miss = ~on_device & valid[:, None]
+    skips_dead = resolve_impl(copy_impl) == "pallas"  # dead staging rows cost no bytes: only live rows are counted
+
+    def packed(parts):
+        return PackedExperts(parts[0], parts[1], group), PackedExperts(parts[2], parts[3], group)
+
+    def pool_call():
+        return moe_experts_1bit(x, jnp.where(on_device, slot, 0), jnp.where(on_device, weights, 0.0), pool_gate_up,
+                                pool_down, impl=impl).astype(jnp.float32)
+
+    if s == n * k < e:  # a staging row per pair (decode, verify): no list of missing experts to build
+        flat, missed = ids.reshape(-1), miss.reshape(-1)
+        order = jnp.arange(n * k)
+        # The first missed pair of each expert is staged; later pairs of the same expert read its row.
+        same = (flat[:, None] == flat[None, :]) & missed[None, :] & (order[None, :] <= order[:, None])
+        first_of = jnp.argmax(same, axis=1)
+        first = missed & (first_of == order)
+        parts = layout.unpack(gather_rows(host_rows, jnp.where(first, flat, -1), impl=copy_impl))
+        staged = jnp.where(missed, first_of, -1).reshape(n, k)
+        hit = staged >= 0
+        out = pool_call() + moe_experts_1bit(x, jnp.where(hit, staged, 0), jnp.where(hit, weights, 0.0),
+                                             *packed(parts), impl=impl).astype(jnp.float32)
+        n_missing = jnp.sum(first)
+        stats = jnp.stack([n_missing, n_missing if skips_dead else jnp.int32(s), jnp.int32(1)]).astype(jnp.int32)
+        return out.astype(x.dtype), stats
+
     needed = jnp.zeros((e,), jnp.int32).at[ids].max(miss.astype(jnp.int32))
     n_missing = jnp.sum(needed)
     rounds_total = -(-outside // s)
     missing = jnp.nonzero(needed, size=rounds_total * s, fill_value=e)[0].astype(jnp.int32)  # ascending, then e
-    skips_dead = resolve_impl(copy_impl) == "pallas"  # dead staging rows cost no bytes: only live rows are counted
 
     def stage(r):
         chosen = jax.lax.dynamic_slice_in_dim(missing, r * s, s)
@@ -183,9 +211,6 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
         parts = layout.unpack(gather_rows(host_rows, jnp.where(live, chosen, -1), impl=copy_impl))
         stage_of = jnp.full((e,), -1, jnp.int32).at[chosen].set(jnp.arange(s, dtype=jnp.int32), mode="drop")
         return parts, stage_of[ids]
-
-    def packed(parts):
-        return PackedExperts(parts[0], parts[1], group), PackedExperts(parts[2], parts[3], group)
 
     if n * k >= e and s == outside:  # one round stages every expert outside the pool: one kernel call over both
         parts, staged = stage(0)
@@ -205,9 +230,7 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
                                     impl=impl)
         return acc + part_out.astype(jnp.float32)
 
-    out = moe_experts_1bit(x, jnp.where(on_device, slot, 0), jnp.where(on_device, weights, 0.0), pool_gate_up,
-                           pool_down, impl=impl).astype(jnp.float32)
-    out = staged_round(0, out)
+    out = staged_round(0, pool_call())
     rounds = jnp.int32(1)
     if s < min(outside, n * k):  # more experts may be missing than one round stages: the overflow rounds
         rounds = jnp.maximum(1, (n_missing + s - 1) // s).astype(jnp.int32)

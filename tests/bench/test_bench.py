@@ -209,6 +209,36 @@ ENTRY %main (a: f32[4], /*index=1*/b: f32[4]) -> f32[4] {
     assert count_kernels(hlo) == 4
 
 
+def test_host_launches_count_each_command_buffer_once():
+    """Kernels inside a command buffer are one host launch together; those outside it are one each."""
+    from strata_jax.bench.floors import count_kernels, host_launches
+
+    hlo = """HloModule m
+
+%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  ROOT %a = f32[4]{0} add(%p0, %p1)
+}
+
+%command_buffer.2 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %f1 = f32[4]{0} fusion(%p, %p), kind=kLoop, calls=%fused_add
+  %f2 = f32[4]{0} fusion(%f1, %p), kind=kLoop, calls=%fused_add
+  ROOT %f3 = f32[4]{0} fusion(%f2, %p), kind=kLoop, calls=%fused_add
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %g = f32[4]{0} call(%a), to_apply=%command_buffer.2
+  %cc = f32[4]{0} custom-call(%g), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %f = f32[4]{0} fusion(%cc, %a), kind=kLoop, calls=%fused_add
+}
+"""
+    assert count_kernels(hlo) == 5
+    assert host_launches(hlo) == (1, 3)
+
+
 def test_profile_maps_command_buffer_kernels_by_name():
     """On a GPU, kernels inside a command buffer carry the buffer as hlo_op; their own name names the instruction."""
     from strata_jax.bench.profile import summarize

@@ -25,6 +25,11 @@ def test_tier_mode_runs(tmp_path):
     # Host time and pairs are counted where experts live on the host, and only there.
     assert rows[0]["host_ms"] == 0 and rows[0]["host_pairs"] == 0
     assert all(r["host_ms"] > 0 and r["host_calls"] > 0 and r["host_pairs"] > 0 for r in rows[2:])
+    # The device's share (steps back to back) and the launches: no command buffers on the CPU, so each kernel is
+    # a launch; the host-compute tier adds its callbacks' kernels to the all-resident step's.
+    assert all(r["chained_ms"] > 0 and r["command_buffers"] == 0 and r["host_launches"] == r["kernels"] > 0
+               for r in rows)
+    assert rows[2]["kernels"] > rows[0]["kernels"]
 
 
 def test_tier_mode_streams_beside_host_compute(tmp_path, capsys):

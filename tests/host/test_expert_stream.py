@@ -124,6 +124,21 @@ def test_the_pallas_copy_is_exact_and_moves_live_rows_only(experts, tokens, quan
         ExpertQuantization(stream_copy="dma")
 
 
+@pytest.mark.parametrize("copy", ["pallas", "slices"])
+def test_pairs_sharing_a_missing_expert_stage_it_once(experts, copy):
+    """A call of <= SMALL_CALL_PAIRS pairs gives each pair a staging row; tokens that share a missing expert read
+    the row of its first pair, and only that row is copied (counted once; the "pallas" copy moves it alone)."""
+    _, _, state, run = _module(experts, 8, stream_copy=copy)
+    x, _, w, valid = _inputs(3, seed=5)
+    ids = jnp.asarray([[9, 1, 12, 10], [12, 9, 2, 3], [4, 12, 13, 0]], jnp.int32)  # 9 twice, 12 three times
+    assert stream_copy_slots(3, K, E, 8) == 3 * K  # the per-pair form
+    out, counts = run(state, x, ids, w, valid)
+    _check(out, _reference(experts, x, ids, w, valid), valid)
+    staged, rows, rounds = [v.get_value() for p, v in nnx.to_flat_state(counts) if p[-1] == "streamed"][0]
+    assert int(staged) == 4 and int(rounds) == 1  # experts 9, 10, 12, 13
+    assert int(rows) == (4 if copy == "pallas" else 3 * K)
+
+
 def test_padding_rows_stage_nothing(experts):
     _, _, state, run = _module(experts, 8)
     x, ids, w, _ = _inputs(2, seed=3)
