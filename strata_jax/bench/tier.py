@@ -195,12 +195,15 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
         cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, model.dtype))
         t0 = time.monotonic()
         compiled = decode.lower(weights(), cache, *inputs(s)).compile()
-        graphs, launches = host_launches(compiled.as_text())
+        hlo = compiled.as_text()
+        graphs, launches = host_launches(hlo)
+        launch_stats[s] = dict(kernels=count_kernels(hlo), host_launches=launches, command_buffers=graphs)
         print(f"compiled decode[{s}] ({placement.layers[0].module.pool_size if placement.active else 'all'} "
-              f"experts on the device) in {time.monotonic() - t0:.0f}s: {count_kernels(compiled.as_text())} kernels, "
+              f"experts on the device) in {time.monotonic() - t0:.0f}s: {launch_stats[s]['kernels']} kernels, "
               f"{launches} host launches ({graphs} command buffers)", flush=True)
         return s, compiled
 
+    launch_stats: dict[int, dict] = {}  # slots -> the compiled step's kernels, host launches, command buffers
     slots = sorted({s for _, _, s, _ in entries})
     with concurrent.futures.ThreadPoolExecutor(len(slots)) as pool:
         compiled = dict(pool.map(compile_one, slots))
@@ -213,13 +216,10 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
             for kernel in args.host_kernel.split(",") if placement.active else ["-"]:
                 if placement.active:
                     model.host_pool.use_kernel(kernel)
-                hlo = compiled[s].as_text()
-                graphs, launches = host_launches(hlo)
                 rows.append(_time_row(args, cfg, model, placement, compiled[s], weights, inputs(s), random_cache,
                                       dict(budget=label, budget_mib=mib, gpu_experts=plan.gpu_experts,
                                            experts=plan.num_experts, slots=s, routing=routing, host_kernel=kernel,
-                                           kernels=count_kernels(hlo), host_launches=launches,
-                                           command_buffers=graphs)))
+                                           **launch_stats[s])))
     return rows
 
 
