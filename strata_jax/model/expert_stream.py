@@ -19,9 +19,9 @@ row is not) and runs the same expert kernel over them:
 
 Shapes are fixed, so with the "slices" copy every staging row is copied whether or not a missing expert fills it
 (dead rows copy expert 0); the "pallas" copy (the GPU's default) skips dead rows' bytes
-(`ExpertQuantization.stream_copy`). `S` trades
-bytes over PCIe (or dead rows) against overflow rounds. `stream_copy_slots` sizes it per call from the call's pairs
-and the pool's share unless `ExpertQuantization.copy_slots` fixes it. On the CPU backend the host array is the CPU
+(`ExpertQuantization.stream_copy`). `S` trades bytes over PCIe (or dead rows) against overflow rounds.
+`stream_copy_slots` sizes it per call from the call's pairs and the pool's share unless
+`ExpertQuantization.copy_slots` fixes it. On the CPU backend the host array is the CPU
 device's `pinned_host` memory and the copies are plain copies: tests run the same code.
 """
 
@@ -184,6 +184,14 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
         return moe_experts_1bit(x, jnp.where(on_device, slot, 0), jnp.where(on_device, weights, 0.0), pool_gate_up,
                                 pool_down, impl=impl).astype(jnp.float32)
 
+    def staged_call(parts, staged):  # the pairs whose expert sits in staging row `staged` (-1: not staged)
+        hit = staged >= 0
+        return moe_experts_1bit(x, jnp.where(hit, staged, 0), jnp.where(hit, weights, 0.0), *packed(parts),
+                                impl=impl).astype(jnp.float32)
+
+    def counters(n_missing, rounds):  # STAT_NAMES; rows copied: live ones only with the kernel, else every row
+        return jnp.stack([n_missing, n_missing if skips_dead else rounds * s, rounds]).astype(jnp.int32)
+
     if s == n * k < e:  # a staging row per pair (decode, verify): no list of missing experts to build
         flat, missed = ids.reshape(-1), miss.reshape(-1)
         order = jnp.arange(n * k)
@@ -192,13 +200,8 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
         first_of = jnp.argmax(same, axis=1)
         first = missed & (first_of == order)
         parts = layout.unpack(gather_rows(host_rows, jnp.where(first, flat, -1), impl=copy_impl))
-        staged = jnp.where(missed, first_of, -1).reshape(n, k)
-        hit = staged >= 0
-        out = pool_call() + moe_experts_1bit(x, jnp.where(hit, staged, 0), jnp.where(hit, weights, 0.0),
-                                             *packed(parts), impl=impl).astype(jnp.float32)
-        n_missing = jnp.sum(first)
-        stats = jnp.stack([n_missing, n_missing if skips_dead else jnp.int32(s), jnp.int32(1)]).astype(jnp.int32)
-        return out.astype(x.dtype), stats
+        out = pool_call() + staged_call(parts, jnp.where(missed, first_of, -1).reshape(n, k))
+        return out.astype(x.dtype), counters(jnp.sum(first), jnp.int32(1))
 
     needed = jnp.zeros((e,), jnp.int32).at[ids].max(miss.astype(jnp.int32))
     n_missing = jnp.sum(needed)
@@ -220,20 +223,14 @@ def streamed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: ja
         where = jnp.where(on_device, slot, pool + staged)
         out = moe_experts_1bit(x, jnp.where(served, where, 0), jnp.where(served, weights, 0.0), *packed(both),
                                impl=impl)
-        stats = jnp.stack([n_missing, n_missing if skips_dead else jnp.int32(s), jnp.int32(1)]).astype(jnp.int32)
-        return out, stats
+        return out, counters(n_missing, jnp.int32(1))
 
     def staged_round(r, acc):
-        parts, staged = stage(r)
-        hit = staged >= 0
-        part_out = moe_experts_1bit(x, jnp.where(hit, staged, 0), jnp.where(hit, weights, 0.0), *packed(parts),
-                                    impl=impl)
-        return acc + part_out.astype(jnp.float32)
+        return acc + staged_call(*stage(r))
 
     out = staged_round(0, pool_call())
     rounds = jnp.int32(1)
     if s < min(outside, n * k):  # more experts may be missing than one round stages: the overflow rounds
         rounds = jnp.maximum(1, (n_missing + s - 1) // s).astype(jnp.int32)
         out = jax.lax.fori_loop(1, rounds, staged_round, out)
-    stats = jnp.stack([n_missing, n_missing if skips_dead else rounds * s, rounds]).astype(jnp.int32)
-    return out.astype(x.dtype), stats
+    return out.astype(x.dtype), counters(n_missing, rounds)
