@@ -224,6 +224,7 @@ def load_model(
     copy_slots: int | None = None,
     prefill_copy_slots: int | None = None,
     stream_copy: str = "auto",
+    host_memory: str = "auto",
     prefill_attention: str = "auto",
     fused_decode: bool = False,
 ) -> LoadedModel:
@@ -244,7 +245,8 @@ def load_model(
     The weights are loaded as without a mesh, then placed.
     host_path: how experts outside the pool are served: "compute" (on the host CPU, above) or "stream" (kept in
     pinned host memory and copied into the step; `copy_slots` / `prefill_copy_slots`: its staging rows, None: sized
-    per call; `stream_copy`: how rows cross, "slices", "pallas" or "auto"). See `ExpertQuantization` and
+    per call; `stream_copy`: how rows cross, "slices", "pallas" or "auto"; `host_memory`: where they live, "pinned",
+    "mapped" or "auto"). See `ExpertQuantization` and
     `strata_jax.model.expert_stream`.
     prefill_attention: how prefill chunks attend (`ModelConfig.prefill_attention_impl`: "auto", "jnp", "pallas" the
     flash-style kernel, "cudnn"; pallas_kernels.flash_prefill.resolve_prefill_impl).
@@ -259,7 +261,8 @@ def load_model(
     if path.suffix == ".gguf":
         return _load_gguf(path, dtype, quantize, planes, group, gpu_experts, host_kernel, host_workers, mesh,
                           expert_exchange, dict(host_path=host_path, copy_slots=copy_slots,
-                                                prefill_copy_slots=prefill_copy_slots, stream_copy=stream_copy),
+                                                prefill_copy_slots=prefill_copy_slots, stream_copy=stream_copy,
+                                                host_memory=host_memory),
                           prefill_attention,
                           fused_decode)
     if not path.is_dir():
@@ -270,7 +273,7 @@ def load_model(
     pool = HostPool(kernel=host_kernel_beside(mesh, host_kernel), workers=host_workers)
     host_experts = functools.partial(HostTier, pool=pool)
     paths = dict(host_path=host_path, copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots,
-                 stream_copy=stream_copy)
+                 stream_copy=stream_copy, host_memory=host_memory)
     if is_converted(path):
         meta = read_marker(path)
         quant = ExpertQuantization(planes=meta["planes"], group=meta["group"], gpu_experts=gpu_experts, **paths)

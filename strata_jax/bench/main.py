@@ -62,6 +62,7 @@ from strata_jax.bench.prefill import prefill_args, print_prefill_table, run_pref
 from strata_jax.bench.deltanet import deltanet_args, print_deltanet_table, run_deltanet
 from strata_jax.bench.hyper import hyper_args, print_hyper_table, run_hyper
 from strata_jax.bench.host import host_args, print_host_table, print_roundtrip_table, run_host_layer, run_roundtrip
+from strata_jax.engine.sampling import BRANCH_MODES, set_branch_mode
 from strata_jax.bench.tier import print_tier_table, run_tier, tier_args
 from strata_jax.bench.mesh import mesh_args, print_mesh_table, run_mesh_bench
 from strata_jax.bench.users import bench_model, print_users_table, run_users, users_args
@@ -404,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "quantize K and V with a scale per position and kv head). Step mode takes a comma "
                             "list (one row per dtype); users and prefill modes one. Default: the weights' dtype")
     model.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    model.add_argument("--sampling-branches", choices=BRANCH_MODES, default="auto",
+                       help="how the steps' sampling skips optional work: cond (lax.cond; on a GPU each copies its "
+                       "predicate to the host mid-step), select (both sides computed, no host synchronisation) or "
+                       "auto (default: select on a GPU): strata_jax.engine.sampling.set_branch_mode")
     model.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
                        help="step and users modes on a --preset: the MTP head a real checkpoint has (step mode: "
                             "verify chains it draft-k times as under --draft mtp, and its draft call is timed alone; "
@@ -446,9 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pass the weights as a flat list of arrays (as the engine does) or as the nnx.State "
                            "pytree (to measure what flattening it on every call costs)")
     step.add_argument("--profile", metavar="DIR",
-                      help="trace a few steps of each row into DIR (Perfetto; default: no trace)")
-    step.add_argument("--dump-hlo", metavar="DIR", help="write each compiled step's HLO text into DIR (default: not "
-                      "written)")
+                      help="step and tier modes: trace a few steps of each row into DIR (Perfetto, read with python "
+                      "-m strata_jax.bench.profile; default: no trace)")
+    step.add_argument("--dump-hlo", metavar="DIR", help="step and tier modes: write each compiled step's HLO text into "
+                      "DIR (default: not written)")
     step.add_argument("--hyper-prefold", action="store_true",
                       help="run every hyper-connection as prefold_mix (strata_jax.model.hyper), an experiment that "
                            "is off by default (no gain in the step: docs/PERF.md)")
@@ -490,6 +496,7 @@ def settle_planes(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    set_branch_mode(args.sampling_branches)
     if args.mode in ("users", "prefill", "agents") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
     args.dtype = bench_dtype(args.dtype, args.model_dir, jax.default_backend())

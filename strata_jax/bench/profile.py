@@ -114,6 +114,20 @@ def gemm_rows(trace: dict, hlo_text: str, steps: int) -> list[tuple[str, str, in
     return sorted(rows, key=lambda r: -r[3])
 
 
+def occupancy(trace: dict, steps: int) -> dict:
+    """Per step: kernels, those launched inside a command buffer (a CUDA graph: `hlo_op` names the buffer), the
+    microseconds the device spent in kernels and the span from the first kernel's start to the last one's end (busy
+    far below the span: the device waits for launches or the host)."""
+    events = kernel_events(trace)
+    if not events:
+        return dict(kernels=0, in_graphs=0, busy_us=0.0, span_us=0.0)
+    graphed = sum(1 for e in events if str(e.get("args", {}).get("hlo_op", "")).startswith("command_buffer"))
+    start = min(float(e["ts"]) for e in events)
+    end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in events)
+    return dict(kernels=len(events) / steps, in_graphs=graphed / steps,
+                busy_us=sum(float(e.get("dur", 0.0)) for e in events) / steps, span_us=(end - start) / steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench.profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, us in rows:
         print(f"| {name} | {n} | {us:.0f} | {us / total:.0%} |")
     print(f"| all kernels | {sum(r[1] for r in rows)} | {total:.0f} | 100% |")
+    occ = occupancy(trace, args.steps)
+    print(f"\nper step: {occ['kernels']:.0f} kernels, {occ['in_graphs']:.0f} of them in command buffers; device busy "
+          f"{occ['busy_us']:.0f} us of a {occ['span_us']:.0f} us span ({occ['busy_us'] / max(occ['span_us'], 1):.0%})")
     return 0
 
 

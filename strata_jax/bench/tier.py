@@ -11,10 +11,13 @@ array values.
 `--host-path stream` serves the experts outside the pool from pinned host memory inside the step instead
 (strata_jax/model/expert_stream.py; the pool shrinks by the staging rows' room, `planner.stream_plan`), with
 `--copy-slots` staging rows per decode round (auto: sized per call) and `--stream-copy` forms of the copy
-(pallas_kernels.host_gather: slices, pallas; every pair of the two lists); `--compute-budgets` adds host-compute rows
+(pallas_kernels.host_gather: slices, pallas) from `--host-memory` (pinned, mapped: every combination of the
+three lists); `--compute-budgets` adds host-compute rows
 at those budgets as the baseline. Rows then also report the MB copied over PCIe and the experts staged per step.
-`--prefill-tokens N` also times an N-token prompt (chunks of `--prefill-chunk`, one slot, the engine's prefill
-step) on every streaming or all-resident model.
+`--profile DIR` traces two more back-to-back steps per row (Perfetto, read with `python -m
+strata_jax.bench.profile`: kernels in command buffers, device busy against the step's span) and `--dump-hlo DIR`
+writes each compiled step's HLO. `--prefill-tokens N` also times an N-token prompt (chunks of `--prefill-chunk`,
+one slot, the engine's prefill step) on every streaming or all-resident model.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -37,9 +41,11 @@ from strata_jax.model.config import ExpertQuantization
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
 from strata_jax.engine.planner import MIB, MemoryPlan, device_memory, make_plan, stream_plan
-from strata_jax.engine.steps import decode_step, greedy_sampling, jit_step, prefill_args, prefill_step
+from strata_jax.engine.steps import (decode_step, greedy_sampling, jit_step, jit_step_donating_counts, prefill_args,
+                                     prefill_step)
 from strata_jax.model.cache import init_cache
 from strata_jax.host.pool import HostPool, check_kernel
+from strata_jax.model.expert_stream import resolve_host_memory, to_host_memory
 from strata_jax.model.moe import QuantizedExperts, add_routing_bias
 from strata_jax.bench.floors import count_kernels, host_launches
 from strata_jax.bench.synthetic import preset_config, random_cache, synthetic_model
@@ -85,10 +91,12 @@ def _plan(cfg, quant, engine: EngineConfig, mib: int, reserve_mib: int) -> Memor
 
 
 def _build(cfg, quant: ExpertQuantization, gpu_experts: int, dtype, host_kernel: str, host_path: str = "compute",
-           copy_slots: int | None = None, prefill_copy_slots: int | None = None, stream_copy: str = "auto"):
+           copy_slots: int | None = None, prefill_copy_slots: int | None = None, stream_copy: str = "auto",
+           host_memory: str = "auto"):
     q = ExpertQuantization(quant.planes, quant.group, quant.impl,
                            gpu_experts=None if gpu_experts >= cfg.num_experts else gpu_experts, host_path=host_path,
-                           copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots, stream_copy=stream_copy)
+                           copy_slots=copy_slots, prefill_copy_slots=prefill_copy_slots, stream_copy=stream_copy,
+                           host_memory=host_memory)
     pool = HostPool(kernel=host_kernel)
     model = synthetic_model(cfg, dtype, q, host_pool=pool)
     add_routing_bias(model)
@@ -107,9 +115,10 @@ def run_tier(args) -> list[dict]:
     # the smaller slot counts too (larger ones are refused rows). Models are shared by pool size.
     paths = args.host_path.split(",")
     compute_at = set(args.compute_budgets.split(",")) if args.compute_budgets else set()
-    copy_forms = [(None if c == "auto" else int(c), form) for c in args.copy_slots.split(",")
-                  for form in args.stream_copy.split(",")]  # (staging rows per round, how rows cross)
-    jobs: dict[tuple[int, str, tuple[int | None, str], int | None], list[tuple[str, int, int, MemoryPlan]]] = {}
+    copy_forms = [(None if c == "auto" else int(c), form, memory) for c in args.copy_slots.split(",")
+                  for form in args.stream_copy.split(",")
+                  for memory in args.host_memory.split(",")]  # (staging rows per round, how rows cross, from where)
+    jobs: dict[tuple[int, str, tuple[int | None, str, str], int | None], list[tuple[str, int, int, MemoryPlan]]] = {}
     rows = []
     for label in args.budgets.split(","):
         for top in sorted(args.slots, reverse=True):
@@ -123,7 +132,7 @@ def run_tier(args) -> list[dict]:
             if label in FRACTIONS:  # exactly that share (MiB rounding may add a few small experts)
                 plan = dataclasses.replace(plan, gpu_experts=math.ceil(FRACTIONS[label] * cfg.num_experts))
             for path in paths + (["compute"] if label in compute_at and "compute" not in paths else []):
-                pool, slots_choices, chunk_slots = plan.gpu_experts, [(None, "auto")], None
+                pool, slots_choices, chunk_slots = plan.gpu_experts, [(None, "auto", "auto")], None
                 if path == "stream" and plan.gpu_experts < cfg.num_experts:
                     slots_choices = copy_forms
                     if label not in FRACTIONS:  # a card size: the staging's room comes out of the pool
@@ -141,36 +150,43 @@ def run_tier(args) -> list[dict]:
             break
     model, built = None, None
     for (gpu_experts, path, slots_choice, chunk_slots), entries in sorted(
-            jobs.items(), key=lambda j: (-j[0][0], j[0][1], j[0][3] or 0, j[0][2][0] or 0, j[0][2][1])):
-        if built == (gpu_experts, path, chunk_slots):  # the same weights, another copy form: recompile only
+            jobs.items(), key=lambda j: (-j[0][0], j[0][1], j[0][3] or 0, j[0][2][0] or 0, j[0][2][1], j[0][2][2])):
+        if built == (gpu_experts, path, chunk_slots):  # the same weights, another copy form: recompile (and move)
             model = _with_copy_form(model, *slots_choice)
         else:
             del model
             gc.collect()  # the next model's host stacks (17 GB at Flash-Next shapes) must not coexist with these
             t0 = time.monotonic()
             model = _build(cfg, quant, gpu_experts, dtype, host_kernel, "compute" if path == "none" else path,
-                           slots_choice[0], chunk_slots, slots_choice[1])
+                           slots_choice[0], chunk_slots, *slots_choice[1:])
             built = (gpu_experts, path, chunk_slots)
             print(f"model with {gpu_experts}/{cfg.num_experts} experts per layer on the device ({path}) built in "
                   f"{time.monotonic() - t0:.0f}s", flush=True)
         for row in (new := _measure(args, cfg, model, entries, routings, random_cache)):
-            row.update(host_path=path, copy_slots=slots_choice[0] or "auto", stream_copy=slots_choice[1])
+            row.update(host_path=path, copy_slots=slots_choice[0] or "auto", stream_copy=slots_choice[1],
+                       host_memory=slots_choice[2])
         rows += new
         if args.prefill_tokens and path != "compute":
             rows.append(_time_prefill(args, cfg, model, dict(budget=entries[0][0], budget_mib=entries[0][1],
                                                              gpu_experts=gpu_experts, experts=cfg.num_experts,
                                                              host_path=path, copy_slots=slots_choice[0] or "auto",
-                                                             stream_copy=slots_choice[1])))
+                                                             stream_copy=slots_choice[1],
+                                                             host_memory=slots_choice[2])))
     return rows
 
 
-def _with_copy_form(model: LoadedModel, copy_slots: int | None, stream_copy: str) -> LoadedModel:
+def _with_copy_form(model: LoadedModel, copy_slots: int | None, stream_copy: str, host_memory: str) -> LoadedModel:
     """`model`'s weights (shared, not copied) with every streaming layer staging `copy_slots` rows per round, copied
-    in the `stream_copy` form."""
+    in the `stream_copy` form from rows in `host_memory` (moved there, one layer at a time, when it changes)."""
     graph = nnx.merge(model.graphdef, model.state)
     for _, node in nnx.iter_graph(graph):
         if isinstance(node, QuantizedExperts) and node.streaming:
-            node.quant = dataclasses.replace(node.quant, copy_slots=copy_slots, stream_copy=stream_copy)
+            moved = resolve_host_memory(host_memory) != resolve_host_memory(node.quant.host_memory)
+            node.quant = dataclasses.replace(node.quant, copy_slots=copy_slots, stream_copy=stream_copy,
+                                             host_memory=host_memory)
+            if moved:
+                rows = np.asarray(jax.device_get(node.host_rows.get_value()))
+                node.host_rows.set_value(to_host_memory(rows, memory=host_memory))
     return LoadedModel(model.path, model.config, graph, model.dtype, [], None, host_pool=model.host_pool)
 
 
@@ -180,7 +196,8 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
     placement.warm_up()
     # As the engine's ModelRunner does: weights as a flat list, flattened once unless a host tier's
     # placement rewrites them between steps.
-    decode = jit_step(decode_step, graphdef, state)
+    decode = (jit_step_donating_counts(decode_step, graphdef, state) if args.donate_counts and placement.active
+              else jit_step(decode_step, graphdef, state))
     fixed = None if placement.active else jax.tree_util.tree_leaves(state)
 
     def weights():
@@ -196,6 +213,10 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
         t0 = time.monotonic()
         compiled = decode.lower(weights(), cache, *inputs(s)).compile()
         hlo = compiled.as_text()
+        if args.dump_hlo:
+            os.makedirs(args.dump_hlo, exist_ok=True)
+            with open(os.path.join(args.dump_hlo, f"{_row_name(entries[0][0], s, model)}.hlo.txt"), "w") as f:
+                f.write(hlo)
         graphs, launches = host_launches(hlo)
         launch_stats[s] = dict(kernels=count_kernels(hlo), host_launches=launches, command_buffers=graphs)
         print(f"compiled decode[{s}] ({placement.layers[0].module.pool_size if placement.active else 'all'} "
@@ -223,6 +244,14 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
     return rows
 
 
+def _row_name(budget: str, slots: int, model: LoadedModel) -> str:
+    """A file name for one compiled step: budget, slots and the streaming layers' copy form and host memory."""
+    quant = next((node.quant for _, node in nnx.iter_graph(nnx.merge(model.graphdef, model.state))
+                  if isinstance(node, QuantizedExperts) and node.streaming), None)
+    form = "resident" if quant is None else f"{quant.stream_copy}-{quant.host_memory}-{quant.copy_slots or 'auto'}"
+    return f"{budget}_{slots}_{form}"
+
+
 def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, weights, ins, random_cache,
               row: dict) -> dict:
     """Warm-up steps (placement adapts), then `args.steps` timed decode steps -> the row with its measurements."""
@@ -248,13 +277,28 @@ def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, wei
         times.append(time.perf_counter() - t0)
     # The same steps back to back, nothing read between them and placement untouched: the gap to ms/step is what
     # the host adds per step (token read, placement); this figure is the device's (and the launches').
-    w = weights()
+    counters = getattr(fn, "counters", None)  # donated counters (--donate-counts): each step's feed the next
+    w = list(weights())
+    for i in counters or ():
+        w[i] = jnp.copy(w[i])  # the copies are consumed, the state's counters (the timed steps' counts) kept
+
+    def chained(cache, ins):
+        out = fn(w, cache, *ins)
+        for i, a in zip(counters or (), jax.tree_util.tree_leaves(out[3])):
+            w[i] = a
+        return out, out[2], (out[0], *ins[1:])
+
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        out = fn(w, cache, *ins)
-        cache, ins = out[2], (out[0], *ins[1:])
+        out, cache, ins = chained(cache, ins)
     jax.block_until_ready(out[0])
     chained_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    if args.profile:  # two more steps back to back under the profiler (`python -m strata_jax.bench.profile`)
+        with jax.profiler.trace(os.path.join(args.profile, f"{_row_name(row['budget'], s, model)}_{row['routing']}"),
+                                create_perfetto_trace=True):
+            for _ in range(2):
+                out, cache, ins = chained(cache, ins)
+            jax.block_until_ready(out[0])
     placement.round(place=False)
     after = placement.stats()
     host_calls, host_s = (b - a for a, b in zip(host_before, model.host_pool.busy()))
@@ -318,7 +362,7 @@ def _time_prefill(args, cfg, model: LoadedModel, row: dict) -> dict:
 
 
 def print_tier_table(rows: list[dict]) -> None:
-    print("\n| budget | experts on GPU | host path (copy slots, copy form) | slots | routing | host kernel "
+    print("\n| budget | experts on GPU | host path (copy slots, copy form, memory) | slots | routing | host kernel "
           "| decode tok/s | ms/step (back to back) | host launches (graphs) | host ms/step (pairs) "
           "| streamed MB/step (experts) | GPU hit rate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -330,7 +374,8 @@ def print_tier_table(rows: list[dict]) -> None:
         if "ttft_s" in r:
             continue
         print(f"| {r['budget']} ({r['budget_mib']} MiB) | {r['gpu_experts']}/{r['experts']} "
-              f"| {r.get('host_path', 'compute')} ({r.get('copy_slots', '-')}, {r.get('stream_copy', '-')}) "
+              f"| {r.get('host_path', 'compute')} ({r.get('copy_slots', '-')}, {r.get('stream_copy', '-')}, "
+              f"{r.get('host_memory', '-')}) "
               f"| {r['slots']} "
               f"| {r['routing']} | {r['host_kernel']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} ({r['chained_ms']:.1f}) "
               f"| {r['host_launches']} ({r['command_buffers']}) | {r['host_ms']:.1f} "
@@ -369,7 +414,15 @@ def tier_args(p) -> None:
                    help="tier mode, stream: comma-separated forms of the copy to compare: slices (one copy per "
                    "staging row), pallas (one kernel reading the host rows, dead rows skipped), auto (default: "
                    "pallas on a GPU, slices elsewhere)")
+    p.add_argument("--donate-counts", action="store_true",
+                   help="tier mode: jit the decode step with the routing counters donated besides the cache, so "
+                   "that their outputs keep their addresses from step to step (an experiment; default: off)")
+    p.add_argument("--host-memory", default="auto",
+                   help="tier mode, stream: comma-separated places for the streamed rows to compare: pinned (jax's "
+                   "pinned host memory), mapped (pinned host memory the GPU reads in place, a device array to XLA), "
+                   "auto (default: pinned)")
     p.add_argument("--prefill-tokens", type=int, default=0,
                    help="tier mode: also time a prompt of this many tokens on every streaming or all-resident "
                    "model (default 0: off)")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="tier mode: prompt chunk for --prefill-tokens")
+

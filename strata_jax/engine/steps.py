@@ -199,6 +199,66 @@ def jit_step(step: Callable, graphdef, state: nnx.State, mtp_k: int = 0, flat: b
     return jax.jit(run, donate_argnums=(1,))
 
 
+def counter_mask(state: nnx.State) -> list[bool]:
+    """Per leaf of `flat_weights(state)`: whether it is a counter the step returns updated (`RoutingCounts`)."""
+
+    def is_variable(x) -> bool:  # an nnx.Variable (flax >= 0.11) or a VariableState (its `.type`, flax 0.10)
+        return isinstance(x, nnx.Variable) or isinstance(getattr(x, "type", None), type)
+
+    variables = jax.tree_util.tree_leaves(state, is_leaf=is_variable)
+    kinds = [getattr(v, "type", None) if isinstance(getattr(v, "type", None), type) else type(v) for v in variables]
+    mask = [issubclass(k, RoutingCounts) for k in kinds]
+    if len(mask) != len(flat_weights(state)):
+        raise ValueError("the state's variables and its leaves do not line up")
+    return mask
+
+
+class CountersDonated:
+    """A step jitted with the routing counters donated besides the cache (`jit_step_donating_counts`), called as
+    the engine calls any step: (weights, cache, *inputs), `weights` the flat list with the counters in it. Their
+    arrays are consumed: the caller must put the returned counters back before the next call. `.lower(...)` and
+    `.compile()` keep that calling form."""
+
+    def __init__(self, fn, keep: list[int], counters: list[int]):
+        self.fn, self.keep, self.counters = fn, keep, counters
+
+    def _split(self, weights: Sequence[jax.Array]) -> tuple[list, list]:
+        return [weights[i] for i in self.keep], [weights[i] for i in self.counters]
+
+    def __call__(self, weights, *rest):
+        return self.fn(*self._split(weights), *rest)
+
+    def lower(self, weights, *rest) -> CountersDonated:
+        return CountersDonated(self.fn.lower(*self._split(weights), *rest), self.keep, self.counters)
+
+    def compile(self) -> CountersDonated:
+        return CountersDonated(self.fn.compile(), self.keep, self.counters)
+
+    def as_text(self) -> str:
+        return self.fn.as_text()
+
+
+def jit_step_donating_counts(step: Callable, graphdef, state: nnx.State, mtp_k: int = 0) -> CountersDonated:
+    """`jit_step` (flat weights) with the routing counters donated as well as the cache: their outputs then reuse
+    the inputs' buffers, so every step writes them at the same addresses (an experiment: a CUDA graph is re-recorded
+    when a buffer it touches moves, and 96 counter outputs moved every step of the streamed model, docs/PERF.md,
+    "Streamed experts")."""
+    treedef = jax.tree_util.tree_structure(state)
+    mask = counter_mask(state)
+    keep = [i for i, c in enumerate(mask) if not c]
+    counters = [i for i, c in enumerate(mask) if c]
+
+    def run(fixed: list[jax.Array], counts: list[jax.Array], *rest):
+        weights = [None] * len(mask)
+        for i, a in zip(keep, fixed):
+            weights[i] = a
+        for i, a in zip(counters, counts):
+            weights[i] = a
+        return step(mtp_k, graphdef, jax.tree_util.tree_unflatten(treedef, weights), *rest)
+
+    return CountersDonated(jax.jit(run, donate_argnums=(1, 2)), keep, counters)
+
+
 def greedy_sampling(slots: int) -> Sampling:
     """Sampling parameters of `slots` greedy slots (temperature 0, no top-k/top-p, seed 0)."""
     z = np.zeros(slots)

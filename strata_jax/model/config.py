@@ -262,6 +262,7 @@ def _validate(cfg: ModelConfig) -> None:
 
 HOST_PATHS = ("compute", "stream")  # ExpertQuantization.host_path
 STREAM_COPIES = ("auto", "slices", "pallas")  # ExpertQuantization.stream_copy (pallas_kernels.host_gather.IMPLS)
+HOST_MEMORIES = ("auto", "pinned", "mapped")  # ExpertQuantization.host_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +286,10 @@ class ExpertQuantization:
     # Streaming only: how a layer's missing experts cross from host memory (pallas_kernels.host_gather): "slices"
     # (one copy per staging row), "pallas" (one kernel reading the host rows, dead rows skipped) or "auto".
     stream_copy: str = "auto"
+    # Streaming only: where the rows live (strata_jax.model.expert_stream.to_host_memory): "pinned" (jax's
+    # pinned_host memory kind), "mapped" (pinned host memory the GPU reads in place, handed to XLA as a device array:
+    # strata_jax/model/host_mapped.py) or "auto".
+    host_memory: str = "auto"
 
     def __post_init__(self):
         if self.gpu_experts is not None and self.gpu_experts < 1:
@@ -293,6 +298,8 @@ class ExpertQuantization:
             raise ValueError(f"host_path must be one of {', '.join(HOST_PATHS)}, got {self.host_path!r}")
         if self.stream_copy not in STREAM_COPIES:
             raise ValueError(f"stream_copy must be one of {', '.join(STREAM_COPIES)}, got {self.stream_copy!r}")
+        if self.host_memory not in HOST_MEMORIES:
+            raise ValueError(f"host_memory must be one of {', '.join(HOST_MEMORIES)}, got {self.host_memory!r}")
         for name in ("copy_slots", "prefill_copy_slots"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

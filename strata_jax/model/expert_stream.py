@@ -37,6 +37,7 @@ import numpy as np
 
 from pallas_kernels import PackedExperts, moe_experts_1bit
 from pallas_kernels.host_gather import gather_rows, resolve_impl
+from strata_jax.model.host_mapped import mapped_host_array
 
 PARTS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
 
@@ -52,6 +53,10 @@ SMALL_CALL_PAIRS = 16
 # Counters a streaming layer adds up per call (`StreamCounts`): distinct experts staged, rows copied (the bytes over
 # PCIe: staged and dead rows with the "slices" copy, staged ones only with "pallas"), rounds run.
 STAT_NAMES = ("staged_experts", "copied_rows", "rounds")
+
+# host_memory="auto" -> "mapped" on a GPU: whether a step reading mapped rows (XLA sees device memory) beats one
+# reading jax's pinned_host kind (False until measured on the H200).
+AUTO_MAPPED = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +129,22 @@ def host_memory_kind(device=None) -> str | None:
     return "pinned_host" if "pinned_host" in kinds else None
 
 
-def to_host_memory(rows: np.ndarray, device=None) -> jax.Array:
-    """`rows` as an array in `device`'s pinned host memory; RuntimeError naming the device where it has none."""
+def resolve_host_memory(memory: str) -> str:
+    """"auto" -> where rows live on this backend ("mapped" only once measured faster: `AUTO_MAPPED`)."""
+    if memory not in ("auto", "pinned", "mapped"):
+        raise ValueError(f"host_memory must be auto, pinned or mapped, got {memory!r}")
+    if memory == "auto":
+        return "mapped" if AUTO_MAPPED and jax.default_backend() == "gpu" else "pinned"
+    return memory
+
+
+def to_host_memory(rows: np.ndarray, device=None, memory: str = "auto") -> jax.Array:
+    """`rows` [E, W] uint32 in host memory the step copies from: `device`'s pinned host memory kind ("pinned"), or
+    pinned memory the GPU reads in place, imported as a device array ("mapped": `host_mapped`); RuntimeError naming
+    the device where it has neither."""
     device = device if device is not None else jax.devices()[0]
+    if resolve_host_memory(memory) == "mapped":
+        return mapped_host_array(np.asarray(rows, np.uint32), device)
     kind = host_memory_kind(device)
     if kind is None:
         raise RuntimeError(f"host_path='stream' needs pinned host memory, which {device.device_kind} does not offer; "

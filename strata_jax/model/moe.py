@@ -215,7 +215,7 @@ class QuantizedExperts(nnx.Module):
         self.layout.pack_part(rows, f"{kind}_scales", scales)
         self.rows_loaded = self.rows_loaded | {kind}
         if self.rows_loaded == {"gate_up", "down"}:
-            self.host_rows.set_value(to_host_memory(rows))
+            self.host_rows.set_value(to_host_memory(rows, memory=self.quant.host_memory))
             self.streamed.set_value(jnp.zeros((len(STAT_NAMES),), jnp.int32))
         else:  # a numpy buffer until the other kind arrives
             self.host_rows.set_value(rows)

@@ -322,3 +322,21 @@ def test_prefill_mode_times_each_length_against_the_compute_floor(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["prompt_tokens"] for r in rows] == [16, 40] and all(r["ctx"] == 128 for r in rows)
     assert all(r["ttft_s"] > 0 and 0 < r["fraction_of_floor"] < 1 and r["gflop_per_token"] > 0 for r in rows)
+
+
+def test_occupancy_counts_graphed_kernels_and_idle_time():
+    """Per step: kernels, those a command buffer launched, device busy against the span (gaps are idle device)."""
+    from strata_jax.bench.profile import occupancy
+
+    def kernel(ts, dur, op):
+        return {"ph": "X", "pid": 7, "tid": 1, "name": f"fusion_{ts}", "ts": ts, "dur": dur, "args": {"hlo_op": op}}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "Execute", "ts": 0, "dur": 500, "args": {}},
+        kernel(0, 10, "command_buffer_1"), kernel(10, 10, "command_buffer_1"), kernel(100, 20, "cond.7"),
+        kernel(200, 10, "command_buffer_1"), kernel(210, 10, "command_buffer_1"), kernel(300, 20, "cond.7")]}
+    occ = occupancy(trace, steps=2)
+    assert occ == dict(kernels=3, in_graphs=2, busy_us=40.0, span_us=160.0)
+    assert occupancy({"traceEvents": []}, steps=2)["kernels"] == 0

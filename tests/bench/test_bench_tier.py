@@ -88,10 +88,11 @@ def test_tier_mode_streams_beside_host_compute(tmp_path, capsys):
             assert r["prefill_streamed_mb"] == pytest.approx(every_row)
         else:
             assert 0 < r["prefill_streamed_mb"] <= every_row + 1e-9
-    # The tables: one decode line per row, host path, copy slots and copy form shown; the prompts in their own table.
+    # The tables: one decode line per row, host path, copy slots, copy form and host memory shown; the prompts in
+    # their own table.
     text = capsys.readouterr().out
-    for path in ("none (auto, auto)", "compute (auto, auto)", "stream (auto, pallas)", "stream (auto, slices)",
-                 "stream (1, pallas)", "stream (1, slices)"):
+    for path in ("none (auto, auto, auto)", "compute (auto, auto, auto)", "stream (auto, pallas, auto)",
+                 "stream (auto, slices, auto)", "stream (1, pallas, auto)", "stream (1, slices, auto)"):
         assert text.count(f"| {path} |") == 2, path
     assert "| TTFT s | streamed MB |" in text and text.count("| 32 (16) |") == 5
 
@@ -134,3 +135,24 @@ def test_roundtrip_mode_times_each_way(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["tokens"], row["pairs"]) == (1, 2)
     assert all(row[f"{m}_ms"] > 0 for m in ("device", "noop", "serial", "split"))
+
+
+def test_tier_mode_compares_host_memories_and_profiles(tmp_path):
+    """`--host-memory pinned,mapped` times both on the same weights (the rows moved between them), with the counters
+    donated (`--donate-counts`: back-to-back steps feed each other's), and `--profile` / `--dump-hlo` leave a trace
+    and the compiled HLO per row that `bench.profile` reads."""
+    from strata_jax.bench.profile import main as profile_main
+
+    out, prof, hlo = tmp_path / "tier.json", tmp_path / "prof", tmp_path / "hlo"
+    assert main(["--mode", "tier", "--preset", "tiny", "--dtype", "float32", "--budgets", "quarter", "--slots", "1",
+                 "--routing", "zipf", "--ctx", "64", "--fill", "8", "--steps", "2", "--warm-steps", "2",
+                 "--host-path", "stream", "--stream-copy", "pallas", "--host-memory", "pinned,mapped",
+                 "--donate-counts", "--profile", str(prof), "--dump-hlo", str(hlo), "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if "tok_s" in r]
+    assert [r["host_memory"] for r in rows] == ["mapped", "pinned"]
+    assert rows[0]["staged_experts"] > 0 and rows[0]["tok_s"] > 0
+    assert sorted(p.name for p in hlo.iterdir()) == ["quarter_1_pallas-mapped-auto.hlo.txt",
+                                                     "quarter_1_pallas-pinned-auto.hlo.txt"]
+    for name in ("mapped", "pinned"):
+        (trace,) = prof.glob(f"quarter_1_pallas-{name}-auto_zipf/**/perfetto_trace.json.gz")
+        assert profile_main([str(trace), str(hlo / f"quarter_1_pallas-{name}-auto.hlo.txt")]) == 0

@@ -242,13 +242,18 @@ def resident():
     return strata_jax.load_model(CKPT, quantize="1bit", group=64)
 
 
-@pytest.mark.parametrize("gpu_experts,copy_slots,copy", [(4, None, "auto"), (2, None, "auto"), (2, 1, "auto"),
-                                                          (2, None, "pallas")])
-def test_model_split_matches_all_resident(resident, gpu_experts, copy_slots, copy):
+@pytest.mark.parametrize("gpu_experts,copy_slots,copy,memory", [(4, None, "auto", "auto"), (2, None, "auto", "auto"),
+                                                                 (2, 1, "auto", "auto"), (2, None, "pallas", "auto"),
+                                                                 (2, None, "auto", "mapped")])
+def test_model_split_matches_all_resident(resident, gpu_experts, copy_slots, copy, memory):
     """The fixture model: greedy tokens and logits as all resident, for half and a quarter of the experts streamed
-    (and with one staging row, every step overflowing into extra rounds; and copied by the Pallas kernel)."""
+    (and with one staging row, every step overflowing into extra rounds; copied by the Pallas kernel; and from rows
+    imported as a device array, `host_memory="mapped"`)."""
     split = strata_jax.load_model(CKPT, quantize="1bit", group=64, gpu_experts=gpu_experts, host_path="stream",
-                                  copy_slots=copy_slots, stream_copy=copy)
+                                  copy_slots=copy_slots, stream_copy=copy, host_memory=memory)
+    if memory == "mapped":
+        rows = [v.get_value() for p, v in nnx.to_flat_state(split.state) if p[-1] == "host_rows"]
+        assert rows and all(r.sharding.memory_kind == "device" for r in rows)
     ids = np.asarray([PROMPT + PROMPT[:6], PROMPT[::-1] + PROMPT[:6]], np.int32)
     a, b = resident.logits(ids), split.logits(ids)
     tol = 1e-4 if jax.default_backend() == "cpu" else 1e-2  # the GPU kernel rounds partial sums to bf16
