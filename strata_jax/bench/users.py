@@ -243,6 +243,10 @@ def run_users(args) -> list[dict]:
                 "prefill_batch": args.prefill_batch,
                 "prefill_calls": stats.get("prefill_calls_total"),
                 "prefill_chunks": stats.get("prefill_chunks_total"),
+                # Decode steps launched before the previous one was read back (the host's work hidden behind the
+                # device's): near decode_steps when overlap works.
+                "decode_steps": stats.get("decode_steps_total"),
+                "overlapped_steps": stats.get("overlapped_steps_total"),
             }
             if oracle_p is not None:  # what the replay saw: per-draft acceptance ~ P unless outputs left the record
                 row.update(oracle_p=oracle_p, oracle_per_draft_acceptance=drafter.per_draft_acceptance(),

@@ -108,6 +108,8 @@ def test_users_mode_reports_hit_rate(tmp_path):
     assert main(common + ["--vram-budget-mib", "64", "--vram-reserve-mib", "0"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["gpu_hit_rate"] == 1.0
+    # The engine's decode steps and how many were launched before the previous one was read back (overlap).
+    assert row["decode_steps"] >= 3 and 0 < row["overlapped_steps"] <= row["decode_steps"]
 
 
 def test_zipf_bias_is_a_permuted_zipf():

@@ -177,3 +177,20 @@ def test_a_short_prompt_bursts_beside_a_decoder(model, burst_ms):
             assert after["prefill_bursts_total"] == before["prefill_bursts_total"]
     finally:
         eng.shutdown()
+
+
+def test_unchanged_step_inputs_are_not_uploaded_again(engine):
+    """A decode step's active mask and sampling arrays go to the device once and are reused while their values
+    stay the same (token to token); a changed value (a slot starting, another temperature) is uploaded afresh."""
+    import numpy as np
+
+    runner = engine._scheduler.executor.runner
+    active = np.array([True, False, True])
+    sampling = (np.array([0.0, 0.0, 0.7]), np.zeros(3, np.int32), np.ones(3), np.array([1, 2, 3]))
+    first = runner._unchanged_on_device(active, sampling)
+    again = runner._unchanged_on_device(active.copy(), tuple(np.array(a) for a in sampling))
+    assert again[0] is first[0] and all(a is b for a, b in zip(again[1], first[1]))
+    changed = runner._unchanged_on_device(active, (np.array([0.0, 0.5, 0.7]), *sampling[1:]))
+    assert changed[1][0] is not first[1][0] and changed[1][1] is first[1][1]
+    np.testing.assert_array_equal(np.asarray(changed[1][0]), np.float32([0.0, 0.5, 0.7]))
+    assert changed[1][3].dtype == np.uint32 and np.asarray(changed[0]).tolist() == [True, False, True]
