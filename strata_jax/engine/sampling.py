@@ -5,19 +5,22 @@ Work only some slots need (truncation's sort, draws, grammar masks, log-probabil
 in the middle of the step: the host cannot queue the next step while this one runs. "select" computes both sides
 and selects, leaving the step free of host synchronisation. On the H200 (2026-12-03, Flash-Next shapes, same run)
 "select" took decode[1] from 10.30 to 6.12 ms back to back and one user of the engine from 62.2 to 78.2 tok/s;
-decode[8] was unchanged (9.81 / 9.69 ms); 32 slots pay the truncation sort on every step (~1.65 ms, measured
-earlier), not yet weighed against the sync. "auto" (the default): "select" on a GPU, "cond" elsewhere (no sync to
-save on the CPU). Steps keep the mode they were traced with (`set_branch_mode`).
+decode[8] was unchanged (9.81 / 9.69 ms). With "select" a step pays the truncation sort on every step: ~1.65 ms at
+32 slots (measured earlier), not yet weighed against the sync there. "auto" (the default) is "select" on a GPU for
+steps that sample at most `SELECT_MAX_ROWS` rows (slots x window positions: what was measured) and "cond" above that
+and off a GPU (no sync to save on the CPU). Steps keep the mode they were traced with (`set_branch_mode`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 BRANCH_MODES = ("auto", "cond", "select")
+SELECT_MAX_ROWS = 16  # "auto": select up to this many sampled rows (decode[1], decode[8], verify[5] at 1 slot: faster)
 _mode = "auto"
 
 
@@ -30,15 +33,15 @@ def set_branch_mode(mode: str) -> None:
     _mode = mode
 
 
-def branch_mode() -> str:
-    """The mode steps traced now use ("auto" resolved for this backend)."""
+def branch_mode(rows: int = 1) -> str:
+    """The mode a step sampling `rows` rows traced now uses ("auto" resolved for this backend and size)."""
     if _mode == "auto":
-        return "select" if jax.default_backend() == "gpu" else "cond"
+        return "select" if jax.default_backend() == "gpu" and rows <= SELECT_MAX_ROWS else "cond"
     return _mode
 
 
-def _branch(pred: jax.Array, on_true: Callable, on_false: Callable):
-    if branch_mode() == "cond":
+def _branch(pred: jax.Array, on_true: Callable, on_false: Callable, rows: int):
+    if branch_mode(rows) == "cond":
         return jax.lax.cond(pred, on_true, on_false)
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true(), on_false())
 
@@ -65,7 +68,7 @@ def processed_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
 
     # Sorting every slot's vocabulary costs 1.65 ms per step at 32 slots on an H200: only when some slot truncates.
     cuts = jnp.any((top_k > 0) & (top_k < vocab)) | jnp.any(top_p < 1.0)
-    return _branch(cuts, truncated, lambda: scaled).reshape(shape)
+    return _branch(cuts, truncated, lambda: scaled, flat.shape[0] * flat.shape[1]).reshape(shape)
 
 
 def position_key(seed: jax.Array, position: jax.Array, stream: int = 0) -> jax.Array:
@@ -91,7 +94,7 @@ def sample(
         out = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
         return jnp.where(temperature > 0, out, greedy)
 
-    return _branch(jnp.any(temperature > 0), drawn, lambda: greedy)
+    return _branch(jnp.any(temperature > 0), drawn, lambda: greedy, math.prod(logits.shape[:-1]))
 
 
 def apply_token_mask(logits: jax.Array, mask: jax.Array, constrained: jax.Array) -> jax.Array:
@@ -104,7 +107,7 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array, constrained: jax.Array)
         allowed = bits.reshape(*mask.shape[:-1], -1)[..., : logits.shape[-1]].astype(bool)
         return jnp.where(allowed, logits, -jnp.inf)
 
-    return _branch(constrained, masked, lambda: logits)
+    return _branch(constrained, masked, lambda: logits, math.prod(logits.shape[:-1]))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array) -> tuple[jax.Array, ...]:
@@ -123,4 +126,4 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Arr
     def skipped():
         return (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (k,), jnp.int32), jnp.zeros(shape + (k,), jnp.float32))
 
-    return _branch(wanted, computed, skipped)
+    return _branch(wanted, computed, skipped, math.prod(logits.shape[:-1]))

@@ -55,4 +55,8 @@ def test_unknown_mode_is_refused(modes):
     with pytest.raises(ValueError, match="branch mode"):
         set_branch_mode("skip")
     assert sampling._mode == "auto"
-    assert sampling.branch_mode() == ("select" if jax.default_backend() == "gpu" else "cond")
+    on_gpu = jax.default_backend() == "gpu"
+    assert sampling.branch_mode(1) == ("select" if on_gpu else "cond")
+    assert sampling.branch_mode(sampling.SELECT_MAX_ROWS + 1) == "cond"  # large steps: not measured, kept as was
+    set_branch_mode("select")
+    assert sampling.branch_mode(1000) == "select"
