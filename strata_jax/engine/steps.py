@@ -191,12 +191,17 @@ def jit_step(step: Callable, graphdef, state: nnx.State, mtp_k: int = 0, flat: b
     48-layer model cost ~3 ms per step on an H200's host (docs/PERF.md), a flat list a fraction of that."""
     if not flat:
         return jax.jit(functools.partial(step, mtp_k, graphdef), donate_argnums=(1,))
+    return jax.jit(_on_flat_weights(step, graphdef, state, mtp_k), donate_argnums=(1,))
+
+
+def _on_flat_weights(step: Callable, graphdef, state: nnx.State, mtp_k: int) -> Callable:
+    """`step` as a function of (flat weights, *rest): the state rebuilt from `flat_weights(state)`'s order."""
     treedef = jax.tree_util.tree_structure(state)
 
     def run(weights: list[jax.Array], *rest):
         return step(mtp_k, graphdef, jax.tree_util.tree_unflatten(treedef, weights), *rest)
 
-    return jax.jit(run, donate_argnums=(1,))
+    return run
 
 
 def counter_mask(state: nnx.State) -> list[bool]:
@@ -243,18 +248,16 @@ def jit_step_donating_counts(step: Callable, graphdef, state: nnx.State, mtp_k: 
     the inputs' buffers, so every step writes them at the same addresses (an experiment: a CUDA graph is re-recorded
     when a buffer it touches moves, and 96 counter outputs moved every step of the streamed model, docs/PERF.md,
     "Streamed experts")."""
-    treedef = jax.tree_util.tree_structure(state)
+    on_flat = _on_flat_weights(step, graphdef, state, mtp_k)
     mask = counter_mask(state)
     keep = [i for i, c in enumerate(mask) if not c]
     counters = [i for i, c in enumerate(mask) if c]
 
     def run(fixed: list[jax.Array], counts: list[jax.Array], *rest):
         weights = [None] * len(mask)
-        for i, a in zip(keep, fixed):
+        for i, a in zip(keep + counters, fixed + counts):
             weights[i] = a
-        for i, a in zip(counters, counts):
-            weights[i] = a
-        return step(mtp_k, graphdef, jax.tree_util.tree_unflatten(treedef, weights), *rest)
+        return on_flat(weights, *rest)
 
     return CountersDonated(jax.jit(run, donate_argnums=(1, 2)), keep, counters)
 

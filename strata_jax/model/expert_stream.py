@@ -37,6 +37,7 @@ import numpy as np
 
 from pallas_kernels import PackedExperts, moe_experts_1bit
 from pallas_kernels.host_gather import gather_rows, resolve_impl
+from strata_jax.model.config import HOST_MEMORIES
 from strata_jax.model.host_mapped import mapped_host_array
 
 PARTS = ("gate_up_bits", "gate_up_scales", "down_bits", "down_scales")
@@ -131,8 +132,8 @@ def host_memory_kind(device=None) -> str | None:
 
 def resolve_host_memory(memory: str) -> str:
     """"auto" -> where rows live on this backend ("mapped" only once measured faster: `AUTO_MAPPED`)."""
-    if memory not in ("auto", "pinned", "mapped"):
-        raise ValueError(f"host_memory must be auto, pinned or mapped, got {memory!r}")
+    if memory not in HOST_MEMORIES:
+        raise ValueError(f"host_memory must be one of {', '.join(HOST_MEMORIES)}, got {memory!r}")
     if memory == "auto":
         return "mapped" if AUTO_MAPPED and jax.default_backend() == "gpu" else "pinned"
     return memory
