@@ -452,8 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pass the weights as a flat list of arrays (as the engine does) or as the nnx.State "
                            "pytree (to measure what flattening it on every call costs)")
     step.add_argument("--profile", metavar="DIR",
-                      help="step and tier modes: trace a few steps of each row into DIR (Perfetto, read with python "
-                      "-m strata_jax.bench.profile; default: no trace)")
+                      help="step, tier and users modes: trace a few steps of each row into DIR (users: a second "
+                      "run of 32 tokens per user; Perfetto, read with python -m strata_jax.bench.profile; default: "
+                      "no trace)")
     step.add_argument("--dump-hlo", metavar="DIR", help="step and tier modes: write each compiled step's HLO text into "
                       "DIR (default: not written)")
     step.add_argument("--hyper-prefold", action="store_true",

@@ -1,6 +1,7 @@
 """A benchmark-only drafter of chosen acceptance (`--draft oracle:P`, users mode; not selectable in `serve`).
 
-A first greedy run records each request's answer; the replay proposes the recorded next tokens, each replaced by a
+A first greedy run of the same engine records each request's answer (`record`: the same compiled steps, so that the
+replay meets the same numbers); the replay proposes the recorded next tokens, each replaced by a
 wrong token with probability 1 - P (seeded per request and position, so the same request gets the same drafts
 whatever the scheduling). The target's real verify, acceptance and rollback then run at a chosen acceptance: a draft
 is accepted with probability P given the drafts before it were, as a real drafter's would be at that rate. Every row
@@ -56,13 +57,19 @@ class OracleDrafter:
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
         if vocab_size < 2:
             raise ValueError("an oracle needs a vocabulary of at least 2 tokens to be wrong in")
-        self.records = [tuple(int(t) for t in r) for r in records]
         self.acceptance, self.vocab_size, self.seed = acceptance, vocab_size, seed
+        self.record(records)
+
+    def record(self, records: Sequence[Sequence[int]]) -> None:
+        """Replays `records` (prompt + greedy answer each) from now on, with fresh counts. An oracle given no
+        records drafts nothing: the engine runs plain decode steps while a first pass records the answers."""
+        self.records = [tuple(int(t) for t in r) for r in records]
         self._replays: dict[object, _Replay] = {}
         # What the replay saw: proposed drafts, drafts made wrong on purpose, verify windows observed (the next
         # proposal shows how many of the previous one's drafts were kept), drafts accepted in them, windows that
         # rejected a draft, and requests whose output left the record (their drafts stop).
         self.counts = dict.fromkeys(("proposed", "planted", "windows", "accepted", "rejections", "diverged"), 0)
+        self.diverged_at: list[int] = []  # history lengths at which outputs left the record
 
     def warm_up(self) -> None:
         """Nothing to compile."""
@@ -109,6 +116,7 @@ class OracleDrafter:
                 replay = self._replays[owner] = _Replay(i, key, n, [])
                 return replay
         self.counts["diverged"] += 1  # a request the first run did not record (or already left it)
+        self.diverged_at.append(n)
         self._replays[owner] = _Replay(-1, 0, n, [], diverged=True)
         return None
 
@@ -130,4 +138,6 @@ class OracleDrafter:
         if tuple(record[replay.consumed : len(history)]) != tuple(new):
             replay.diverged = True
             self.counts["diverged"] += 1
+            self.diverged_at.append(replay.consumed + next(
+                (i for i, (a, b) in enumerate(zip(record[replay.consumed:], new)) if a != b), len(new)))
         replay.consumed, replay.proposal = len(history), []

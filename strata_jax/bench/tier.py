@@ -22,6 +22,8 @@ one slot, the engine's prefill step) on every streaming or all-resident model.
 
 from __future__ import annotations
 
+import argparse
+
 import concurrent.futures
 import dataclasses
 import gc
@@ -41,8 +43,8 @@ from strata_jax.model.config import ExpertQuantization
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
 from strata_jax.engine.planner import MIB, MemoryPlan, device_memory, make_plan, stream_plan
-from strata_jax.engine.steps import (decode_step, greedy_sampling, jit_step, jit_step_donating_counts, prefill_args,
-                                     prefill_step)
+from strata_jax.engine.steps import (counter_mask, decode_step, greedy_sampling, jit_step, jit_step_donating_counts,
+                                     prefill_args, prefill_step)
 from strata_jax.model.cache import init_cache
 from strata_jax.host.pool import HostPool, check_kernel
 from strata_jax.model.expert_stream import resolve_host_memory, to_host_memory
@@ -198,10 +200,18 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
     # placement rewrites them between steps.
     decode = (jit_step_donating_counts(decode_step, graphdef, state) if args.donate_counts and placement.active
               else jit_step(decode_step, graphdef, state))
-    fixed = None if placement.active else jax.tree_util.tree_leaves(state)
+    # As the runner: the flat list re-read only after the placement rewrote the state; in between each step's
+    # counters are put in it (`feed_counts`).
+    flat = {"writes": None, "leaves": None, "counters": [i for i, c in enumerate(counter_mask(state)) if c]}
 
     def weights():
-        return fixed if fixed is not None else jax.tree_util.tree_leaves(state)
+        if flat["writes"] != placement.writes:
+            flat.update(writes=placement.writes, leaves=jax.tree_util.tree_leaves(state))
+        return flat["leaves"]
+
+    def feed_counts(counts) -> None:
+        for i, a in zip(flat["counters"], jax.tree_util.tree_leaves(counts)):
+            flat["leaves"][i] = a
 
     def inputs(s):
         z = jnp.zeros(s)
@@ -232,12 +242,14 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
     for label, mib, s, plan in entries:
         for routing in routings:
             set_routing(state, routing, args.zipf_s)
+            flat["writes"] = None  # the routing biases were rewritten: re-read the state
             for layer in placement.layers:
                 layer.score[:] = 0.0
             for kernel in args.host_kernel.split(",") if placement.active else ["-"]:
                 if placement.active:
                     model.host_pool.use_kernel(kernel)
-                rows.append(_time_row(args, cfg, model, placement, compiled[s], weights, inputs(s), random_cache,
+                rows.append(_time_row(args, cfg, model, placement, compiled[s], weights, feed_counts, inputs(s),
+                                      random_cache,
                                       dict(budget=label, budget_mib=mib, gpu_experts=plan.gpu_experts,
                                            experts=plan.num_experts, slots=s, routing=routing, host_kernel=kernel,
                                            **launch_stats[s])))
@@ -252,14 +264,15 @@ def _row_name(budget: str, slots: int, model: LoadedModel) -> str:
     return f"{budget}_{slots}_{form}"
 
 
-def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, weights, ins, random_cache,
-              row: dict) -> dict:
+def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, weights, feed_counts, ins,
+              random_cache, row: dict) -> dict:
     """Warm-up steps (placement adapts), then `args.steps` timed decode steps -> the row with its measurements."""
     s = row["slots"]
     cache = random_cache(cfg, s, args.ctx, args.fill, model.dtype)
 
     def step(cache, ins):
         out = fn(weights(), cache, *ins)
+        feed_counts(out[3])
         placement.store_counts(out[3])
         tokens = np.asarray(out[0])  # the engine reads the tokens every step ...
         placement.tick()
@@ -404,7 +417,8 @@ def tier_args(p) -> None:
     p.add_argument("--placement-every", type=int, default=8, help="tier mode: steps between placement rounds")
     p.add_argument("--host-path", default="compute",
                    help="tier mode: comma-separated ways to serve the experts outside the pool: compute (the host "
-                   "CPU, default) and/or stream (pinned host memory copied into the step)")
+                   "CPU, default) and/or stream (pinned host memory copied into the step); users mode (with "
+                   "--vram-budget-mib or --gpu-experts): one of them")
     p.add_argument("--compute-budgets", default="",
                    help="tier mode: budgets (as in --budgets) that also get a host-compute row (default: none)")
     p.add_argument("--copy-slots", default="auto",
@@ -414,9 +428,10 @@ def tier_args(p) -> None:
                    help="tier mode, stream: comma-separated forms of the copy to compare: slices (one copy per "
                    "staging row), pallas (one kernel reading the host rows, dead rows skipped), auto (default: "
                    "pallas on a GPU, slices elsewhere)")
-    p.add_argument("--donate-counts", action="store_true",
-                   help="tier mode: jit the decode step with the routing counters donated besides the cache, so "
-                   "that their outputs keep their addresses from step to step (an experiment; default: off)")
+    p.add_argument("--donate-counts", action=argparse.BooleanOptionalAction, default=True,
+                   help="tier and users modes: the steps consume the routing counters they are given and write the "
+                   "next ones in place, so that the step's CUDA graphs need no update every step (the engine's "
+                   "default, EngineConfig.donate_counts; --no-donate-counts: new buffers every step, to compare)")
     p.add_argument("--host-memory", default="auto",
                    help="tier mode, stream: comma-separated places for the streamed rows to compare: pinned (jax's "
                    "pinned host memory), mapped (pinned host memory the GPU reads in place, a device array to XLA), "

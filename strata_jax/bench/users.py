@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import statistics
 import time
 from pathlib import Path
@@ -59,7 +60,11 @@ def bench_model(args) -> LoadedModel:
     cfg = preset_config(args.preset, ple=ple, ple_rows_per_head=getattr(args, "ple_rows_per_head", PLE_ROWS_PER_HEAD))
     cfg = dataclasses.replace(cfg, prefill_attention_impl=getattr(args, "prefill_attention", "auto"))
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    quant = ExpertQuantization(planes=args.planes or 1, group=args.group, impl=args.impl, gpu_experts=gpu_experts)
+    host_path = getattr(args, "host_path", "compute")
+    if "," in host_path:
+        raise ValueError(f"--host-path {host_path}: users mode takes one (compute or stream)")
+    quant = ExpertQuantization(planes=args.planes or 1, group=args.group, impl=args.impl, gpu_experts=gpu_experts,
+                               host_path=host_path if gpu_experts is not None else "compute")
     pool = HostPool()
     model = synthetic_model(cfg, dtype, quant, host_pool=pool, with_mtp=with_mtp)
     if args.routing != "uniform":
@@ -193,7 +198,7 @@ def run_users(args) -> list[dict]:
     net = nnx.merge(model.graphdef, model.state)
     rows = []
     drafts = ["none"] if args.draft == "none" else ["none", args.draft]
-    records = {}  # users -> each prompt + its greedy answer from the "none" row, replayed by --draft oracle:P
+    records = {}  # users -> each prompt + its greedy answer from the "none" row (the oracle's record is compared)
     for draft in drafts:
         for users in args.users:
             builtin = draft in ("none", "ngram", "mtp")
@@ -202,17 +207,25 @@ def run_users(args) -> list[dict]:
                                   prefill_batch=args.prefill_batch,
                                   draft=draft if builtin else "none", draft_k=args.draft_k,
                                   adaptive_draft=getattr(args, "adaptive_draft", True),
-                                  overlap_steps=not args.no_overlap, cache_dtype=getattr(args, "cache_dtype", None))
-            if oracle_p is not None:  # benchmark only (strata_jax/bench/oracle.py)
-                drafter = OracleDrafter(records[users], oracle_p, model.config.vocab_size, seed=users)
+                                  overlap_steps=not args.no_overlap, cache_dtype=getattr(args, "cache_dtype", None),
+                                  donate_counts=getattr(args, "donate_counts", True))
+            if oracle_p is not None:  # benchmark only (strata_jax/bench/oracle.py); records in a first pass below
+                drafter = OracleDrafter([], oracle_p, model.config.vocab_size, seed=users)
             else:
                 drafter = None if builtin else _draft_model(draft, model, config, args)
             engine = Engine(model, config, drafter=drafter)
             engine.start()
             prompts = user_prompts(model, users, args.prompt_tokens)
             try:
+                if oracle_p is not None:  # the answers this engine gives, drafting nothing, are what it replays
+                    recorded, _ = run_all_users(engine, prompts, args.gen_tokens)
+                    drafter.record([p + tuple(r["token_ids"]) for p, r in zip(prompts, recorded)])
                 results, wall = run_all_users(engine, prompts, args.gen_tokens)
                 stats = engine.stats()
+                if getattr(args, "profile", None):  # the same prompts again, 32 tokens each, under the profiler
+                    trace_dir = os.path.join(args.profile, f"users{users}_{draft.replace(':', '')}")
+                    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                        run_all_users(engine, prompts, min(32, args.gen_tokens))
             finally:
                 engine.shutdown()
             if draft == "none":
@@ -247,16 +260,37 @@ def run_users(args) -> list[dict]:
                 # device's): near decode_steps when overlap works.
                 "decode_steps": stats.get("decode_steps_total"),
                 "overlapped_steps": stats.get("overlapped_steps_total"),
+                # Per overlapped step, the engine thread's time launching it and waiting for the step before it:
+                # a wait near 0 means the host is the bottleneck (the device idles between steps).
+                "launch_ms_per_step": _per_step(stats, "decode_launch_seconds_total"),
+                "outputs": [r["token_ids"] for r in results],  # each user's tokens: runs that must agree, checked
+                "read_back_ms_per_step": _per_step(stats, "decode_read_back_seconds_total"),
             }
             if oracle_p is not None:  # what the replay saw: per-draft acceptance ~ P unless outputs left the record
                 row.update(oracle_p=oracle_p, oracle_per_draft_acceptance=drafter.per_draft_acceptance(),
                            oracle_diverged=drafter.counts["diverged"], draft_k=args.draft_k,
+                           # where replays left their record (history lengths), and whether this engine's answers
+                           # were the "none" row's (separately compiled engines can round differently)
+                           oracle_diverged_at=drafter.diverged_at,
+                           oracle_record_is_none_rows=drafter.records == list(records.get(users, [])),
                            adaptive_draft=config.adaptive_draft)
             rows.append(row)
             print(f"users {users}, speculation {row['speculation']}: {row['per_user_tok_s']:.1f} tok/s per user, "
                   f"{row['aggregate_tok_s']:.1f} aggregate, TTFT p50 {row['ttft_p50_s']:.2f} s, "
-                  f"GPU expert hit rate {row['gpu_hit_rate']:.1%}", flush=True)
+                  f"GPU expert hit rate {row['gpu_hit_rate']:.1%}" + _host_note(row), flush=True)
     return rows
+
+
+def _host_note(row: dict) -> str:
+    if row["launch_ms_per_step"] is None:
+        return ""
+    return (f"; per overlapped step {row['launch_ms_per_step']:.2f} ms launching, "
+            f"{row['read_back_ms_per_step']:.2f} ms waiting for the step before")
+
+
+def _per_step(stats: dict, key: str) -> float | None:
+    steps = stats.get("overlapped_steps_total")
+    return stats[key] / steps * 1e3 if steps and key in stats else None
 
 
 def figures_note(device: str) -> str:

@@ -47,6 +47,9 @@ class EngineConfig:
     reading them back: the host's per-step work (launch, read-back, stop checks, events) then overlaps the
     device's. Other prompts may prefill meanwhile (their calls queue behind the step in flight). A request that
     stops at step n has had one more token computed, which is discarded.
+    donate_counts: a host-tier model's steps consume the routing counters they are given and write the next ones
+    in their buffers (on one device; off: new buffers every step, which makes the step's CUDA graphs update
+    every step: docs/PERF.md, "Streamed experts").
     watchdog_s: an engine iteration (one prefill chunk plus one step) running longer than this is taken as stuck:
     every request fails with a retryable error and `Engine.health()` turns false until the step returns (0 = off).
     progress_min_tokens: a prompt at least this long logs its prefill progress (logger "strata_jax.engine", INFO) at
@@ -80,6 +83,7 @@ class EngineConfig:
     draft_k: int = 4
     adaptive_draft: bool = True
     overlap_steps: bool = True
+    donate_counts: bool = True
     watchdog_s: float = 120.0
     progress_min_tokens: int = 4096
     progress_every_s: float = 2.0

@@ -46,7 +46,9 @@ class Engine:
         self.placement = ExpertPlacement(model.state, model.graphdef, placement)
         self.placement.warm_up()
         self._drafter = drafter if drafter is not None else make_drafter(self.config)
-        self._runner = ModelRunner(RunnerModel.of(model), self.config, with_verify=self._drafter is not None)
+        tier = self.placement
+        self._runner = ModelRunner(RunnerModel.of(model), self.config, with_verify=self._drafter is not None,
+                                   counters_lock=tier.lock, weights_version=lambda: tier.writes)
         mib = cache_bytes(self._runner.cache) / 2**20
         print(
             f"engine: {self.config.slots} slots x {self.config.max_context} tokens, caches {mib:.1f} MiB on device",

@@ -56,12 +56,12 @@ class StepExecutor:
 
     def after_step(self, name: str, counts: nnx.State) -> None:
         """Between steps: the step's routing counts go to the expert placement (device arrays: no sync), and each
-        decode or verify step ticks it (every N steps it may move hot experts into the pool, rewriting weights)."""
-        self.placement.store_counts(counts)
-        if name != "prefill":
-            self.placement.tick()
-        if self.placement.active:
-            self.runner.weights_changed()
+        decode or verify step ticks it (every N steps it may move hot experts into the pool, rewriting weights,
+        which the runner then re-reads: `ExpertPlacement.writes`)."""
+        with self.placement.lock:
+            self.placement.store_counts(counts)
+            if name != "prefill":
+                self.placement.tick()
 
     def chunk_size(self, job: Job, limit: int | None = None) -> int:
         """The compiled chunk width `job`'s next prompt piece runs in (pieces are cut on the grid of the largest
@@ -186,8 +186,10 @@ class StepExecutor:
             sampling = self._sampling(jobs)
         else:
             tokens, sampling = previous.out, previous.sampling  # inactive slots are masked: stale values are fine
+        started = time.perf_counter()
         out = self.runner.decode_on_device(tokens, active, sampling)
         self.after_step("decode", out.counts)
+        self.counters["launch_seconds"] += time.perf_counter() - started
         self.counters["decode_steps"] += 1
         for job in jobs:
             job.consumed += 1
@@ -217,7 +219,9 @@ class StepExecutor:
         self._last_decode = 0.0
 
     def _read_back(self, step: InFlight) -> np.ndarray:
+        started = time.perf_counter()
         out = np.asarray(step.out)
+        self.counters["read_back_seconds"] += time.perf_counter() - started
         now = time.monotonic()
         if self._last_decode:
             self.max_stall = max(self.max_stall, now - self._last_decode)

@@ -96,7 +96,11 @@ class ExpertPlacement:
                  if isinstance(layer.module.host, HostTier) and not layer.module.streaming]
         self._pools = list({id(pool): pool for pool in pools}.values())
         self._steps = 0
-        self._lock = threading.Lock()
+        # Held by stats() (any thread) and by the engine's runner from a step's call until the counters it returns
+        # are back in the state: a step consumes the counters it is given (`EngineConfig.donate_counts`).
+        self._lock = threading.RLock()
+        self.lock = self._lock
+        self.writes = 0  # rounds and moves so far: each rewrote weights the runner's flat list must re-read
         self._pairs = 0
         self._hits = 0
         self._promotions = 0
@@ -132,6 +136,7 @@ class ExpertPlacement:
                 self._pairs += int(c.sum())
                 self._hits += int(c[layer.slot_of >= 0].sum())
             self._streamed += self._pending_streamed(clear=True)
+            self.writes += 1
         moved = 0
         for layer, c in zip(self.layers, counts):
             layer.score = self.config.decay * layer.score + c
@@ -179,6 +184,7 @@ class ExpertPlacement:
                 layer.slot_of[e] = s
                 layer.expert_in[s] = e
         layer.leaves["slot_of"].set_value(jnp.asarray(layer.slot_of))
+        self.writes += 1
 
     def _pending_streamed(self, clear: bool) -> np.ndarray:
         """The streaming layers' counters since the last round, summed (a small device read), optionally cleared.

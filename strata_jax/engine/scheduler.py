@@ -165,6 +165,10 @@ class Scheduler:
                 "accepted_draft_tokens_total": self.counters["accepted"],
                 "verify_steps_total": self.counters["verify_steps"],
                 "overlapped_steps_total": self.counters["overlapped_steps"],
+                # Overlapped decoding's host time: launching steps (with the placement's work after each), and
+                # waiting for the step before to finish. Little waiting means the host, not the device, sets the rate.
+                "decode_launch_seconds_total": self.counters["launch_seconds"],
+                "decode_read_back_seconds_total": self.counters["read_back_seconds"],
                 "max_decode_stall_seconds": self.executor.max_stall,
                 **self.placement.stats(),  # host expert tier: GPU pool hit rate, promotions (if any)
             }

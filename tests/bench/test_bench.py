@@ -129,6 +129,28 @@ def test_users_mode_runs(tmp_path):
     assert all(r["seed_source"].startswith("Strata on an RTX 5090") and r["measured_on"] for r in rows)
 
 
+def test_users_mode_streams_experts_beyond_the_pool(tmp_path):
+    """`--gpu-experts 4 --host-path stream`: the engine serves three quarters of the experts from host memory,
+    copied into each step, with the greedy tokens of the same split computed on the host CPU (`compute`), counters
+    donated or not; the rows report the host's time per overlapped step, and `--profile` traces a second run."""
+    rows = {}
+    prof = tmp_path / "prof"
+    for path, extra in (("compute", ["--profile", str(prof)]), ("stream", []), ("stream", ["--no-donate-counts"])):
+        out = tmp_path / "users.json"
+        assert main(["--mode", "users", "--preset", "tiny", "--dtype", "float32", "--users", "1", "--prompt-tokens",
+                     "16", "--gen-tokens", "8", "--draft", "none", "--bandwidth-gib", "0.01", "--json", str(out),
+                     "--gpu-experts", "4", "--host-path", path, *extra]) == 0
+        rows[(path, *extra)] = json.loads(out.read_text())["rows"][0]
+    assert list(prof.glob("users1_none/**/perfetto_trace.json.gz"))  # `--profile`: a second run, traced
+    outputs = [r["outputs"] for r in rows.values()]
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0][0]) == 8
+    assert all(0.0 < r["gpu_hit_rate"] < 1.0 and r["overlapped_steps"] > 0 and r["launch_ms_per_step"] > 0
+               and r["read_back_ms_per_step"] >= 0 for r in rows.values())
+    with pytest.raises(ValueError, match="users mode takes one"):
+        main(["--mode", "users", "--preset", "tiny", "--users", "1", "--gpu-experts", "4",
+              "--host-path", "stream,compute"])
+
+
 def test_profile_summary_by_component(tmp_path):
     """A traced tiny step: kernel time adds up per decoder component through the HLO's named scopes."""
     from strata_jax.bench.profile import main as profile_main

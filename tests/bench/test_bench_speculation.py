@@ -59,6 +59,13 @@ def test_oracle_is_seeded_per_request_and_position_and_stops_where_the_output_le
     off[11] = 7
     assert a.propose({0: DraftRequest("r", off, 6)}) == {0: []} and a.counts["diverged"] == 1
     assert a.propose({0: DraftRequest("unknown", (1, 2, 3), 6)}) == {0: []} and a.counts["diverged"] == 2
+    assert a.diverged_at == [11, 3]  # where each left its record: the changed token, and before any token
+    # `record` starts over: new records, no replays, fresh counts; an oracle without records drafts nothing.
+    empty = OracleDrafter([], 0.5, vocab_size=1000)
+    assert empty.propose({0: DraftRequest("r", records[0][:10], 6)}) == {0: []}
+    empty.record(records)
+    assert empty.counts["diverged"] == 0 and empty.diverged_at == []
+    assert len(empty.propose({0: DraftRequest("r", records[0][:10], 6)})[0]) == 6
 
 
 def test_oracle_spec_parsing():
@@ -89,6 +96,7 @@ def test_oracle_through_the_engine_accepts_about_p(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     oracle = [r for r in rows if r["speculation"] == "oracle P=0.75"]
     assert len(oracle) == 1 and oracle[0]["oracle_diverged"] == 0  # the replay followed the greedy answers
+    assert oracle[0]["oracle_diverged_at"] == [] and oracle[0]["oracle_record_is_none_rows"]  # recorded by its engine
     measured = oracle[0]["oracle_per_draft_acceptance"]
     assert abs(measured - 0.75) < 0.17  # ~110 drafts checked: 4 standard deviations
     assert 0 < oracle[0]["acceptance"] < measured  # drafts after a rejection count as drafted, not accepted
