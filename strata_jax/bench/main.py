@@ -85,10 +85,13 @@ from strata_jax.engine.planner import default_dtype
 from strata_jax.bench.step_inputs import STEP_EXTRAS, StepInputs, mtp_bytes, mtp_draft_step
 
 
-def _time_step(fn, state, cache, ins, steps: int, next_ins=None) -> tuple[float, float, object]:
+def _time_step(fn, state, cache, ins, steps: int, next_ins=None,
+               chain: bool = False) -> tuple[float, float, float | None, object]:
     """(device ms per call over `steps` back-to-back calls, median ms per call when the host reads the first
-    output every call as the engine does, the advanced cache). `next_ins(first output)`: the next call's inputs,
-    built from what the host read (PLE rows gathered for those tokens) inside the host loop's time."""
+    output every call as the engine does, ms per call back to back with each call's first output as the next one's
+    first input (`chain`: decode's tokens, as the engine's overlapped steps run; else None), the advanced cache).
+    `next_ins(first output)`: the next call's inputs, built from what the host read (PLE rows gathered for those
+    tokens) inside the host loop's time."""
 
     def cache_of(out):
         return next(o for o in out if isinstance(o, ModelCache))
@@ -112,7 +115,17 @@ def _time_step(fn, state, cache, ins, steps: int, next_ins=None) -> tuple[float,
         if next_ins is not None:
             ins = next_ins(tokens)
         loop.append(time.perf_counter() - t0)
-    return device_ms, statistics.median(loop) * 1e3, cache
+    chained_ms = None
+    if chain:  # inputs that move from call to call, as in the engine (whose CUDA graphs may then update)
+        chained = ins
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = fn(state, cache, *chained)
+            cache = cache_of(out)
+            chained = (out[0], *chained[1:])
+        jax.block_until_ready(cache)
+        chained_ms = (time.perf_counter() - t0) / steps * 1e3
+    return device_ms, statistics.median(loop) * 1e3, chained_ms, cache
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -188,8 +201,9 @@ def run_step_bench(args) -> list[dict]:
                 f.write(hlo)
         cache = random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv), with_mtp=bool(mtp_k))
         feed = inputs(kind, s, tables, extras)  # with PLE, the host loop gathers each step's rows from the table
-        device_ms, loop_ms, cache = _time_step(fn, weights, cache, feed.first(), args.steps,
-                                               feed.build if feed.ple is not None and kind != "mtp" else None)
+        next_ins = feed.build if feed.ple is not None and kind != "mtp" else None
+        device_ms, loop_ms, chained_ms, cache = _time_step(fn, weights, cache, feed.first(), args.steps, next_ins,
+                                                           chain=kind == "decode" and feed.ple is None)
         if args.profile:  # a few more steps under the profiler, as a Perfetto trace (kernel names = HLO fusions)
             ins = feed.first()
             with jax.profiler.trace(os.path.join(args.profile, f"{kind}_{s}"), create_perfetto_trace=True):
@@ -209,7 +223,7 @@ def run_step_bench(args) -> list[dict]:
         floor_ms = max(mem_ms, launch_ms)
         row = {
             "kind": kind, "slots": s, "cache_dtype": kv or "bfloat16", "extras": extras, "tokens_per_slot": per_slot,
-            "device_ms": device_ms, "loop_ms": loop_ms,
+            "device_ms": device_ms, "loop_ms": loop_ms, "chained_ms": chained_ms,
             "tok_s": s / loop_ms * 1e3, "bytes_gb": total / 1e9, "bytes": parts, "mem_floor_ms": mem_ms,
             "kernels": kernels, "kernels_by_op": ops, "launch_floor_ms": launch_ms, "floor_ms": floor_ms,
             "fraction_of_floor": floor_ms / device_ms, "compile_s": compile_s,
@@ -231,8 +245,9 @@ def run_step_bench(args) -> list[dict]:
             }
         rows.append(row)
         ple_note = f", PLE gather {row['ple_host_ms']:.2f} ms on the host" if row["ple_host_ms"] is not None else ""
+        chained_note = f", {chained_ms:.2f} ms chained on its own tokens" if chained_ms is not None else ""
         print(f"{kind}[{s}]{_kv_label(kv)}{_extras_label(extras)}: {device_ms:.2f} ms/call device, "
-              f"{loop_ms:.2f} ms with host sync, {kernels} kernels{ple_note}", flush=True)
+              f"{loop_ms:.2f} ms with host sync{chained_note}, {kernels} kernels{ple_note}", flush=True)
         if args.json:
             _write_json(args.json, [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows])
     return [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows]

@@ -15,6 +15,8 @@ def test_step_mode_runs(tmp_path):
     decode, verify = json.loads(out.read_text())["rows"]
     assert decode["kind"] == "decode" and decode["slots"] == 1 and decode["kernels"] > 0 and decode["device_ms"] > 0
     assert verify["kind"] == "verify" and verify["tokens_per_slot"] == 4
+    # Decode is also timed chained on its own tokens (the engine's overlapped form); verify is not.
+    assert decode["chained_ms"] > 0 and verify["chained_ms"] is None
     # A 4-token window routes to more experts than one token: the floor must count them.
     assert verify["bytes"]["experts"] > decode["bytes"]["experts"]
     assert verify["verify_over_decode"] > 0
