@@ -13,7 +13,6 @@ import dataclasses
 import time
 
 import numpy as np
-from flax import nnx
 
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.job import Job
@@ -54,14 +53,12 @@ class StepExecutor:
         self.max_stall = 0.0  # longest gap between two decode steps while requests were decoding
         self._last_decode = 0.0
 
-    def after_step(self, name: str, counts: nnx.State) -> None:
-        """Between steps: the step's routing counts go to the expert placement (device arrays: no sync), and each
-        decode or verify step ticks it (every N steps it may move hot experts into the pool, rewriting weights,
-        which the runner then re-reads: `ExpertPlacement.writes`)."""
-        with self.placement.lock:
-            self.placement.store_counts(counts)
-            if name != "prefill":
-                self.placement.tick()
+    def after_step(self, name: str) -> None:
+        """Between steps (the runner has put the step's routing counts into the model's state, where the expert
+        placement reads them): each decode or verify step ticks the placement. Every N steps it may move hot
+        experts into the pool, rewriting weights, which the runner then re-reads (`ExpertPlacement.writes`)."""
+        if name != "prefill":
+            self.placement.tick()
 
     def chunk_size(self, job: Job, limit: int | None = None) -> int:
         """The compiled chunk width `job`'s next prompt piece runs in (pieces are cut on the grid of the largest
@@ -105,7 +102,7 @@ class StepExecutor:
             if p == 1:  # this step ran this job alone: the failure is its own
                 raise Job.Failed(jobs[0], e) from e
             raise PrefillBatchFailed(jobs, e) from e
-        self.after_step("prefill", out.counts)
+        self.after_step("prefill")
         result = {}
         for i, (job, end) in enumerate(zip(jobs, ends)):
             job.device_drafts = [int(t) for t in out.drafts[i]]
@@ -126,7 +123,7 @@ class StepExecutor:
         rows, new_ctx = self.model.ple_inputs(self._stacked_contexts(jobs), tokens[:, None], active.astype(np.int32))
         self._note_step_start()
         out = self.runner.decode(tokens, active, rows, self._sampling(jobs), *self._grammar(jobs))
-        self.after_step("decode", out.counts)
+        self.after_step("decode")
         self._last_decode = time.monotonic()
         self.counters["decode_steps"] += 1
         for job in jobs:
@@ -156,7 +153,7 @@ class StepExecutor:
         rows, _ = self.model.ple_inputs(contexts, tokens, n_valid)
         self._note_step_start()
         out = self.runner.verify(tokens, n_valid, rows, self._sampling(jobs), masks, wanted)
-        self.after_step("verify", out.counts)
+        self.after_step("verify")
         self._last_decode = time.monotonic()
         self.counters["verify_steps"] += 1
         keep = np.where(n_valid > 0, out.accepted + 1, 0)
@@ -188,7 +185,7 @@ class StepExecutor:
             tokens, sampling = previous.out, previous.sampling  # inactive slots are masked: stale values are fine
         started = time.perf_counter()
         out = self.runner.decode_on_device(tokens, active, sampling)
-        self.after_step("decode", out.counts)
+        self.after_step("decode")
         self.counters["launch_seconds"] += time.perf_counter() - started
         self.counters["decode_steps"] += 1
         for job in jobs:

@@ -98,8 +98,7 @@ class ExpertPlacement:
         self._steps = 0
         # Held by stats() (any thread) and by the engine's runner from a step's call until the counters it returns
         # are back in the state: a step consumes the counters it is given (`EngineConfig.donate_counts`).
-        self._lock = threading.RLock()
-        self.lock = self._lock
+        self.lock = threading.RLock()
         self.writes = 0  # rounds and moves so far: each rewrote weights the runner's flat list must re-read
         self._pairs = 0
         self._hits = 0
@@ -115,7 +114,8 @@ class ExpertPlacement:
         return bool(self.layers)
 
     def store_counts(self, counts: nnx.State) -> None:
-        """Takes the counters a step returned (device arrays; no sync)."""
+        """Takes the counters a step returned (device arrays; no sync), for callers that run steps themselves (the
+        tier bench); the engine's runner puts them into the model's state itself."""
         for path, var in nnx.to_flat_state(counts):
             self._leaves[path].set_value(var.get_value() if isinstance(var, nnx.Variable) else var)
 
@@ -129,7 +129,7 @@ class ExpertPlacement:
         """Reads and clears the counters, updates hit statistics and scores and (with `place`) promotes hot host
         experts. Returns the number of experts moved."""
         started = time.perf_counter()
-        with self._lock:  # stats() adds the pending counts: take them and fold them into the totals atomically
+        with self.lock:  # stats() adds the pending counts: take them and fold them into the totals atomically
             counts = [np.asarray(layer.leaves["counts"].get_value()) for layer in self.layers]
             for layer, c in zip(self.layers, counts):
                 layer.leaves["counts"].set_value(jnp.zeros_like(layer.leaves["counts"].get_value()))
@@ -142,7 +142,7 @@ class ExpertPlacement:
             layer.score = self.config.decay * layer.score + c
             if place:
                 moved += self._place(layer)
-        with self._lock:
+        with self.lock:
             self._promotions += moved
             self._rounds += 1
             self._round_seconds += time.perf_counter() - started
@@ -176,7 +176,7 @@ class ExpertPlacement:
             new = _write_pool(pool, jnp.asarray(pad_slots), rows)
         for k, arr in zip(_KINDS, new):
             layer.leaves[k].set_value(arr)
-        with self._lock:
+        with self.lock:
             for e, s in zip(experts, slots):
                 old = layer.expert_in[s]
                 if old >= 0:
@@ -210,7 +210,7 @@ class ExpertPlacement:
         if not self.active:
             return {}
         host_calls, host_seconds = _busy(self._pools)
-        with self._lock:
+        with self.lock:
             # Plus the counts since the last round (the expert map has not changed since): a small device read.
             pairs, hits = self._pairs, self._hits
             for layer in self.layers:

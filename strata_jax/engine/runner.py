@@ -370,10 +370,10 @@ class ModelRunner:
                 key = (name, width, batch)
                 self.step_seconds[key] = min(took, self.step_seconds.get(key, took))
 
-    def warm_up(self, after_step: Callable[[str, nnx.State], None] | None = None) -> float:
+    def warm_up(self, after_step: Callable[[str], None] | None = None) -> float:
         """Compiles every step function ahead of time, in parallel, then runs each once (the first call of an
-        executable has its own costs). `after_step(name, counts)` sees each of those runs' routing counts, as
-        the owner sees every step's. Returns the seconds it took; prints progress."""
+        executable has its own costs). `after_step(name)` is called after each of those runs, as the owner calls
+        it after every step. Returns the seconds it took; prints progress."""
         started = time.monotonic()
         jobs = self._warm_up_jobs()
         names = ", ".join(_step_name(name, w, b) for name, w, b, _ in jobs)
@@ -390,9 +390,9 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             self._compiled.update(pool.map(compile_one, jobs))
         for name, width, batch, args in jobs:
-            counts = self._run(name, width, batch, args)[-1]
+            self._run(name, width, batch, args)
             if after_step is not None:
-                after_step(name, counts)
+                after_step(name)
         self._time_steps(jobs)
         rate = lambda n, w, b, t: f" ({w * b / t:,.0f} tok/s)" if n == "prefill" else ""  # noqa: E731
         timed = ", ".join(f"{_step_name(n, w, b)} {t * 1e3:.0f} ms{rate(n, w, b, t)}"
