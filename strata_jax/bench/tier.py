@@ -23,7 +23,6 @@ one slot, the engine's prefill step) on every streaming or all-resident model.
 from __future__ import annotations
 
 import argparse
-
 import concurrent.futures
 import dataclasses
 import gc
@@ -43,7 +42,7 @@ from strata_jax.model.config import ExpertQuantization
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
 from strata_jax.engine.planner import MIB, MemoryPlan, device_memory, make_plan, stream_plan
-from strata_jax.engine.steps import (counter_mask, decode_step, greedy_sampling, jit_step, jit_step_donating_counts,
+from strata_jax.engine.steps import (FlatWeights, decode_step, greedy_sampling, jit_step, jit_step_donating_counts,
                                      prefill_args, prefill_step)
 from strata_jax.model.cache import init_cache
 from strata_jax.host.pool import HostPool, check_kernel
@@ -196,22 +195,11 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
     graphdef, state = model.graphdef, model.state
     placement = ExpertPlacement(state, graphdef, PlacementConfig(every=args.placement_every))
     placement.warm_up()
-    # As the engine's ModelRunner does: weights as a flat list, flattened once unless a host tier's
-    # placement rewrites them between steps.
     decode = (jit_step_donating_counts(decode_step, graphdef, state) if args.donate_counts and placement.active
               else jit_step(decode_step, graphdef, state))
-    # As the runner: the flat list re-read only after the placement rewrote the state; in between each step's
-    # counters are put in it (`feed_counts`).
-    flat = {"writes": None, "leaves": None, "counters": [i for i, c in enumerate(counter_mask(state)) if c]}
-
-    def weights():
-        if flat["writes"] != placement.writes:
-            flat.update(writes=placement.writes, leaves=jax.tree_util.tree_leaves(state))
-        return flat["leaves"]
-
-    def feed_counts(counts) -> None:
-        for i, a in zip(flat["counters"], jax.tree_util.tree_leaves(counts)):
-            flat["leaves"][i] = a
+    # As the engine's runner: weights as a flat list, re-read only after the placement rewrote the state, each
+    # step's counters put into it (and into the state) in between.
+    flat = FlatWeights(state, lambda: placement.writes)
 
     def inputs(s):
         z = jnp.zeros(s)
@@ -221,7 +209,7 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
     def compile_one(s):
         cache = jax.eval_shape(lambda: random_cache(cfg, s, args.ctx, args.fill, model.dtype))
         t0 = time.monotonic()
-        compiled = decode.lower(weights(), cache, *inputs(s)).compile()
+        compiled = decode.lower(flat.get(), cache, *inputs(s)).compile()
         hlo = compiled.as_text()
         if args.dump_hlo:
             os.makedirs(args.dump_hlo, exist_ok=True)
@@ -242,14 +230,13 @@ def _measure(args, cfg, model: LoadedModel, entries, routings, random_cache) -> 
     for label, mib, s, plan in entries:
         for routing in routings:
             set_routing(state, routing, args.zipf_s)
-            flat["writes"] = None  # the routing biases were rewritten: re-read the state
+            flat.invalidate()  # the routing biases were rewritten: re-read the state
             for layer in placement.layers:
                 layer.score[:] = 0.0
             for kernel in args.host_kernel.split(",") if placement.active else ["-"]:
                 if placement.active:
                     model.host_pool.use_kernel(kernel)
-                rows.append(_time_row(args, cfg, model, placement, compiled[s], weights, feed_counts, inputs(s),
-                                      random_cache,
+                rows.append(_time_row(args, cfg, model, placement, compiled[s], flat, inputs(s), random_cache,
                                       dict(budget=label, budget_mib=mib, gpu_experts=plan.gpu_experts,
                                            experts=plan.num_experts, slots=s, routing=routing, host_kernel=kernel,
                                            **launch_stats[s])))
@@ -264,16 +251,15 @@ def _row_name(budget: str, slots: int, model: LoadedModel) -> str:
     return f"{budget}_{slots}_{form}"
 
 
-def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, weights, feed_counts, ins,
-              random_cache, row: dict) -> dict:
+def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, flat: FlatWeights, ins, random_cache,
+              row: dict) -> dict:
     """Warm-up steps (placement adapts), then `args.steps` timed decode steps -> the row with its measurements."""
     s = row["slots"]
     cache = random_cache(cfg, s, args.ctx, args.fill, model.dtype)
 
     def step(cache, ins):
-        out = fn(weights(), cache, *ins)
-        feed_counts(out[3])
-        placement.store_counts(out[3])
+        out = fn(flat.get(), cache, *ins)
+        flat.put_counts(out[3])
         tokens = np.asarray(out[0])  # the engine reads the tokens every step ...
         placement.tick()
         return out[2], (jnp.asarray(tokens), *ins[1:])  # ... and feeds them back
@@ -291,7 +277,7 @@ def _time_row(args, cfg, model: LoadedModel, placement: ExpertPlacement, fn, wei
     # The same steps back to back, nothing read between them and placement untouched: the gap to ms/step is what
     # the host adds per step (token read, placement); this figure is the device's (and the launches').
     counters = getattr(fn, "counters", None)  # donated counters (--donate-counts): each step's feed the next
-    w = list(weights())
+    w = list(flat.get())
     for i in counters or ():
         w[i] = jnp.copy(w[i])  # the copies are consumed, the state's counters (the timed steps' counts) kept
 
@@ -340,6 +326,7 @@ def _time_prefill(args, cfg, model: LoadedModel, row: dict) -> dict:
     streamed."""
     graphdef, state = model.graphdef, model.state
     placement = ExpertPlacement(state, graphdef, PlacementConfig(every=0))
+    flat = FlatWeights(state, lambda: placement.writes)
     step = jit_step(prefill_step, graphdef, state)
     n, c = args.prefill_tokens, args.prefill_chunk
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, -(-n // c) * c).astype(np.int32)
@@ -352,11 +339,10 @@ def _time_prefill(args, cfg, model: LoadedModel, row: dict) -> dict:
             last = start + c >= n
             args_ = prefill_args([0], chunk, [min(c, n - start)], [-1 if last else int(tokens[start + c])],
                                  greedy_sampling(1), (), model.dtype)
-            # The weights' leaves re-read per chunk, as the engine's runner does under a placement: they carry the
-            # streaming counters each call adds to (flattened once, every chunk would count from zero).
-            out = step(jax.tree_util.tree_leaves(state), cache, *args_)
+            # Each chunk counts on from the streaming counters the one before returned, as in the engine.
+            out = step(flat.get(), cache, *args_)
             cache = out[2]
-            placement.store_counts(out[3])
+            flat.put_counts(out[3])
         np.asarray(out[0])
         return time.perf_counter() - t0
 

@@ -263,8 +263,8 @@ def run_users(args) -> list[dict]:
                 # Per overlapped step, the engine thread's time launching it and waiting for the step before it:
                 # a wait near 0 means the host is the bottleneck (the device idles between steps).
                 "launch_ms_per_step": _per_step(stats, "decode_launch_seconds_total"),
-                "outputs": [r["token_ids"] for r in results],  # each user's tokens: runs that must agree, checked
                 "read_back_ms_per_step": _per_step(stats, "decode_read_back_seconds_total"),
+                "outputs": [r["token_ids"] for r in results],  # each user's tokens: runs that must agree, checked
             }
             if oracle_p is not None:  # what the replay saw: per-draft acceptance ~ P unless outputs left the record
                 row.update(oracle_p=oracle_p, oracle_per_draft_acceptance=drafter.per_draft_acceptance(),

@@ -98,7 +98,7 @@ class ExpertPlacement:
         self._steps = 0
         # Held by stats() (any thread) and by the engine's runner from a step's call until the counters it returns
         # are back in the state: a step consumes the counters it is given (`EngineConfig.donate_counts`).
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         self.writes = 0  # rounds and moves so far: each rewrote weights the runner's flat list must re-read
         self._pairs = 0
         self._hits = 0
@@ -114,8 +114,8 @@ class ExpertPlacement:
         return bool(self.layers)
 
     def store_counts(self, counts: nnx.State) -> None:
-        """Takes the counters a step returned (device arrays; no sync), for callers that run steps themselves (the
-        tier bench); the engine's runner puts them into the model's state itself."""
+        """Takes the counters a call returned (device arrays; no sync), for callers that run the model on its state
+        themselves; the engine's runner and the tier bench put them in through `steps.FlatWeights`."""
         for path, var in nnx.to_flat_state(counts):
             self._leaves[path].set_value(var.get_value() if isinstance(var, nnx.Variable) else var)
 

@@ -22,8 +22,8 @@ from flax import nnx
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.mesh import MeshSteps
 from strata_jax.engine.steps import (
-    STEPS, Sampling, counter_mask, decode_args, flat_weights, greedy_sampling, jit_step, jit_step_donating_counts,
-    prefill_args, put_slot, reset_slot, state_variables, take_slot, take_slot_prefix, verify_args,
+    STEPS, FlatWeights, Sampling, decode_args, greedy_sampling, jit_step, jit_step_donating_counts, prefill_args,
+    put_slot, reset_slot, take_slot, take_slot_prefix, verify_args,
 )
 from strata_jax.model.cache import ModelCache, init_cache, kv_dtype_of, map_kv_positions
 from strata_jax.model.config import ModelConfig
@@ -158,16 +158,11 @@ class ModelRunner:
         # A host-tier model's routing counters: every step returns them advanced, and the next step counts on from
         # those. Donated where the steps run on one device, so that they keep their addresses (the step's CUDA
         # graphs are then not updated every step: docs/PERF.md, "Streamed experts").
-        mask = counter_mask(model.state)
-        self._counter_at = [i for i, c in enumerate(mask) if c]
-        self._counter_vars = [v for v, c in zip(state_variables(model.state), mask) if c]
+        self._flat = FlatWeights(model.state, weights_version)
         self._counters_lock = counters_lock or contextlib.nullcontext()
-        self.donates_counts = bool(self._counter_at) and config.donate_counts and self.mesh_steps is None
+        self.donates_counts = bool(self._flat.counter_at) and config.donate_counts and self.mesh_steps is None
         jit = jit_step_donating_counts if self.donates_counts else jit_step
         self._jitted = {name: jit(step, model.graphdef, model.state, self.mtp_k) for name, step in STEPS.items()}
-        self._weight_leaves: list[jax.Array] | None = None
-        self._weights_version = weights_version or (lambda: 0)
-        self._seen_version = self._weights_version()
         self._compiled: dict[tuple[str, int, int], object] = {}  # (step, window, batch) -> executable
         self._reset = jax.jit(reset_slot, donate_argnums=(0,))
         self._read = jax.jit(take_slot)
@@ -188,41 +183,26 @@ class ModelRunner:
 
     # -- weights -------------------------------------------------------------------------------------------------
     def _weights(self) -> list[jax.Array]:
-        """The weights as the flat list of arrays the step functions take: flattened again only when
-        `weights_version` changed (each step's routing counters are put in it by `_run`)."""
-        version = self._weights_version()
-        if self._weight_leaves is None or version != self._seen_version:
-            self._seen_version = version
-            self._weight_leaves = flat_weights(self.model.state)
-        return self._weight_leaves
+        """The weights as the flat list of arrays the step functions take (re-read only after the state was
+        rewritten: `steps.FlatWeights`)."""
+        return self._flat.get()
 
     # -- steps ---------------------------------------------------------------------------------------------------
     def _run(self, name: str, width: int, batch: int, args: tuple) -> tuple:
         """Runs step `name` (window `width`, `batch` rows) on the executable warm-up compiled, else through jit;
         keeps the new cache and returns the other outputs."""
         fn = self._compiled.get((name, width, batch)) or self._jitted[name]
-        if not self._counter_at:
+        if not self._flat.counter_at:
             *out, self.cache, counts = fn(self._weights(), self.cache, *args)
             return (*out, counts)
         with self._counters_lock:
             try:
                 *out, self.cache, counts = fn(self._weights(), self.cache, *args)
             except Exception:
-                self._revive_counters()
+                self._flat.revive_counts()
                 raise
-            for i, var, a in zip(self._counter_at, self._counter_vars, jax.tree_util.tree_leaves(counts)):
-                self._weight_leaves[i] = a
-                var.set_value(a)
+            self._flat.put_counts(counts)
         return (*out, counts)
-
-    def _revive_counters(self) -> None:
-        """After a failed call that consumed the counters: zeroed ones in their place (the counts since the last
-        placement round are lost with the step)."""
-        weights = self._weights()
-        for i, var in zip(self._counter_at, self._counter_vars):
-            if weights[i].is_deleted():
-                weights[i] = zeros = jnp.zeros(weights[i].shape, weights[i].dtype)
-                var.set_value(zeros)
 
     def _unchanged_on_device(self, active: np.ndarray, sampling: Sampling) -> tuple[jax.Array, Sampling]:
         """A decode step's `active` mask and sampling arrays on the device, each re-uploaded only when its values

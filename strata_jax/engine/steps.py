@@ -223,6 +223,49 @@ def counter_mask(state: nnx.State) -> list[bool]:
     return [issubclass(k, RoutingCounts) for k in kinds]
 
 
+class FlatWeights:
+    """The weights as the flat list of arrays the step functions take (`flat_weights(state)`), flattened again only
+    when `version()` changes (something rewrote the state: the expert placement's `writes`) or after `invalidate`.
+    A step returns the routing counters the next one counts on from: `put_counts` puts them into the list and into
+    the state's Variables (where the placement reads them), so nothing is flattened between placement rounds."""
+
+    def __init__(self, state: nnx.State, version: Callable[[], int] | None = None):
+        mask = counter_mask(state)
+        self.counter_at = [i for i, c in enumerate(mask) if c]
+        self.counter_vars = [v for v, c in zip(state_variables(state), mask) if c]
+        self._state = state
+        self._version = version or (lambda: 0)
+        self._seen: int | None = None
+        self._leaves: list[jax.Array] | None = None
+
+    def get(self) -> list[jax.Array]:
+        """The current list (the same object between re-reads: `put_counts` writes into it)."""
+        version = self._version()
+        if self._leaves is None or version != self._seen:
+            self._seen, self._leaves = version, flat_weights(self._state)
+        return self._leaves
+
+    def invalidate(self) -> None:
+        """The state was rewritten by something `version` does not count: re-read it on the next `get`."""
+        self._leaves = None
+
+    def put_counts(self, counts: nnx.State) -> None:
+        """Puts a step's returned counters in place of the ones it was given (and consumed, where donated)."""
+        leaves = self.get()
+        for i, var, a in zip(self.counter_at, self.counter_vars, jax.tree_util.tree_leaves(counts)):
+            leaves[i] = a
+            var.set_value(a)
+
+    def revive_counts(self) -> None:
+        """After a failed call that consumed the counters: zeroed ones in their place (the counts since the last
+        placement round are lost with the step)."""
+        leaves = self.get()
+        for i, var in zip(self.counter_at, self.counter_vars):
+            if leaves[i].is_deleted():
+                leaves[i] = zeros = jnp.zeros(leaves[i].shape, leaves[i].dtype)
+                var.set_value(zeros)
+
+
 class CountersDonated:
     """A step jitted with the routing counters donated besides the cache (`jit_step_donating_counts`), called as
     the engine calls any step: (weights, cache, *inputs), `weights` the flat list with the counters in it. Their

@@ -15,7 +15,7 @@ import pytest
 from conftest import FIXTURES
 
 import strata_jax
-import strata_jax.engine.runner as runner_module
+import strata_jax.engine.steps as steps_module
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.engine.placement import PlacementConfig
 
@@ -63,7 +63,7 @@ def test_donated_counters_give_the_same_tokens_and_counts(model):
             results[donate] = (_generate(engine, PROMPTS), _counts(engine))
             # The runner's flat weights and the model's state hold the same, live counters.
             runner = engine._runner
-            for i, var in zip(runner._counter_at, runner._counter_vars):
+            for i, var in zip(runner._flat.counter_at, runner._flat.counter_vars):
                 assert runner._weights()[i] is var.get_value() and not var.get_value().is_deleted()
         finally:
             engine.shutdown()
@@ -99,8 +99,8 @@ def test_metrics_from_another_thread_while_decoding(model):
 def test_weights_are_reread_only_after_the_placement_writes(model, monkeypatch):
     engine = _engine(model, overlap_steps=False)
     calls = []
-    real = runner_module.flat_weights
-    monkeypatch.setattr(runner_module, "flat_weights", lambda state: calls.append(1) or real(state))
+    real = steps_module.flat_weights
+    monkeypatch.setattr(steps_module, "flat_weights", lambda state: calls.append(1) or real(state))
     try:
         before = engine.stats()["expert_placement_rounds_total"]
         _generate(engine, PROMPTS[:1])
@@ -121,7 +121,7 @@ def test_a_failed_step_that_consumed_the_counters_leaves_zeroed_ones(model):
         real = dict(runner._compiled)
 
         def consume_and_fail(weights, cache, *args):
-            for i in runner._counter_at:
+            for i in runner._flat.counter_at:
                 weights[i].delete()
             jax.tree_util.tree_map(lambda a: a.delete(), cache)
             raise RuntimeError("injected device failure")
@@ -129,7 +129,7 @@ def test_a_failed_step_that_consumed_the_counters_leaves_zeroed_ones(model):
         runner._compiled = {key: consume_and_fail for key in real}
         failed = _generate(engine, PROMPTS[:1])
         assert failed == [[]]  # the request failed (no tokens), the engine lives on
-        for i, var in zip(runner._counter_at, runner._counter_vars):
+        for i, var in zip(runner._flat.counter_at, runner._flat.counter_vars):
             value = var.get_value()
             assert runner._weights()[i] is value and not value.is_deleted()
             assert not np.asarray(value).any()
