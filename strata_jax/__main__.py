@@ -324,6 +324,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      "masks, log-probabilities): cond (skipped, but on a GPU each test syncs with the host mid-step), "
                      "select (always computed, no sync: one user 1.26x faster on the H200) or auto (default: select "
                      "on a GPU for steps of up to 16 sampled rows, the sizes measured; cond elsewhere)")
+    srv.add_argument("--command-buffers", choices=("auto", "stable-scratch", "xla"), default="auto",
+                     help="how XLA keeps each step's CUDA graphs: stable-scratch (the step's scratch memory at a "
+                     "fixed address, XLA's VMM allocator; jax >= 0.11: the graphs are not rebuilt every step: one "
+                     "user 2x faster on the H200), xla (XLA's default) or auto (default: stable-scratch on a GPU "
+                     "with jax >= 0.11 unless experts are streamed from pinned host memory, which crashes under it)")
     srv.add_argument("--host-memory", choices=HOST_MEMORIES, default="auto",
                      help="streaming: where the streamed experts' rows live: pinned (jax's pinned host memory), "
                      "mapped (pinned host memory the GPU reads in place, seen by XLA as device memory, so the step "
@@ -558,6 +563,7 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
     import os
 
     from strata_jax.host.cpu_quota import cpu_budget, describe
+    from strata_jax.engine import command_buffers
     from strata_jax.engine.config import EngineConfig
     from strata_jax.engine.planner import (
         DEFAULT_RESERVE_MIB,
@@ -635,7 +641,9 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
         pool = args.gpu_experts
         print(f"--gpu-experts {pool} overrides the plan's pool of {plan.gpu_experts}", flush=True)
     streaming = stream_plan(plan, engine, probe.backend, args.host_path, args.copy_slots)
-    if pool is not None and streaming.host_path == "stream":
+    streams = pool is not None and streaming.host_path == "stream"
+    print(command_buffers.configure(args.command_buffers, probe.backend, streams), flush=True)
+    if streams:
         if args.gpu_experts is None:
             pool = streaming.gpu_experts
         print(f"host expert tier: {pool} of {plan.num_experts} experts per MoE layer in the device pool, the others "

@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.cli_help import DefaultsFormatter
+from strata_jax.engine import command_buffers
 from strata_jax.engine.config import MAX_DRAFT_K, EngineConfig
 from strata_jax.bench.agents import agents_args, print_agents_table, run_agents
 from strata_jax.bench.attention import attention_args, print_attention_table, run_attention
@@ -359,7 +360,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def _write_json(path: str, rows: list[dict]) -> None:
-    meta = {"date": datetime.date.today().isoformat(), "argv": sys.argv, "device": jax.devices()[0].device_kind}
+    meta = {"date": datetime.date.today().isoformat(), "argv": sys.argv, "device": jax.devices()[0].device_kind,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}  # with the command-buffer mode the run chose
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
 
@@ -420,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "quantize K and V with a scale per position and kv head). Step mode takes a comma "
                             "list (one row per dtype); users and prefill modes one. Default: the weights' dtype")
     model.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    model.add_argument("--command-buffers", choices=command_buffers.MODES, default="auto",
+                       help="how XLA keeps the steps' CUDA graphs: stable-scratch (scratch memory at a fixed "
+                       "address; jax >= 0.11), xla (XLA's default) or auto (default: stable-scratch on a GPU unless "
+                       "the run streams experts from pinned host memory: tier mode, or --vram-budget-mib without "
+                       "--host-path compute): strata_jax.engine.command_buffers")
     model.add_argument("--sampling-branches", choices=BRANCH_MODES, default="auto",
                        help="how the steps' sampling skips optional work: cond (lax.cond; on a GPU each copies its "
                        "predicate to the host mid-step), select (both sides computed, no host synchronisation) or "
@@ -513,6 +520,12 @@ def settle_planes(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    streams = args.mode == "tier" or (args.vram_budget_mib is not None and args.host_path != "compute")
+    try:  # before anything starts JAX's backend
+        print(command_buffers.configure(args.command_buffers, command_buffers.installed_backend(), streams),
+              file=sys.stderr, flush=True)
+    except ValueError as e:
+        p.error(str(e))
     set_branch_mode(args.sampling_branches)
     if args.mode in ("users", "prefill", "agents") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)

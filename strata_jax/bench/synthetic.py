@@ -180,6 +180,27 @@ def synthetic_model(cfg: ModelConfig, dtype=jnp.bfloat16, quant: ExpertQuantizat
     return model
 
 
+def make_greedy_chain(model, cfg: ModelConfig, seed: int = 0, scale: float = 64.0) -> np.ndarray:
+    """Benchmark-only: rewrites a synthetic model's embedding and LM head so that its greedy next token is a fixed
+    permutation of the current one, by a wide margin; returns the permutation (next = perm[current]).
+
+    A random model's logits are nearly tied, so a verify window (other kernels, other sums) and a decode step pick
+    different greedy tokens within a few tokens in bfloat16 (H200, 2026-12-03: the oracle's replay left its record
+    at the 4th token). Here the residual stream is dominated by the token's embedding (scaled by `scale`: the layers
+    add O(1) each) and LM head row perm[t] is embedding row t, so every path agrees on the argmax: the oracle
+    drafter's replay then follows its record, and speculation is timed at the acceptance asked for. Shapes, kernels
+    and bytes are those of the plain synthetic model; only these two tables change."""
+    if cfg.tie_word_embeddings:
+        raise ValueError("a greedy chain needs an LM head of its own (tie_word_embeddings is set)")
+    embed = model.model.embed_tokens.weight
+    table = embed[...]
+    perm = np.random.default_rng(seed).permutation(cfg.vocab_size)
+    inverse = jnp.asarray(np.argsort(perm))
+    model.lm_head.weight.set_value(jnp.take(table, inverse, axis=0))
+    embed.set_value((table.astype(jnp.float32) * scale).astype(table.dtype))
+    return perm
+
+
 def _random(key, shape, dtype, name):
     kind = "bits" if dtype == jnp.uint32 else "scales" if name.endswith("scales") else "normal"
     return _generator(shape, jnp.dtype(dtype).name, kind)(key)

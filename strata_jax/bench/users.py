@@ -25,7 +25,8 @@ from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingP
 from strata_jax.bench.floors import copy_bandwidth, step_bytes
 from strata_jax.bench.oracle import OracleDrafter, oracle_label, parse_oracle
 from strata_jax.model.moe import add_routing_bias
-from strata_jax.bench.synthetic import PLE_ROWS_PER_HEAD, preset_config, synthetic_model, synthetic_ple_tables
+from strata_jax.bench.synthetic import (PLE_ROWS_PER_HEAD, make_greedy_chain, preset_config, synthetic_model,
+                                       synthetic_ple_tables)
 
 # Strata, RTX 5090, 256K context (docs/ARCHITECTURE.md, "Background"): users -> (per-user tok/s, aggregate tok/s, TTFT).
 SEED = {1: (144.0, 144.0, "< 2 s"), 4: (38.0, 125.0, "2-8 s"), 8: (19.0, 130.0, "2-8 s")}
@@ -67,6 +68,8 @@ def bench_model(args) -> LoadedModel:
                                host_path=host_path if gpu_experts is not None else "compute")
     pool = HostPool()
     model = synthetic_model(cfg, dtype, quant, host_pool=pool, with_mtp=with_mtp)
+    if parse_oracle(getattr(args, "draft", "none")) is not None:  # every row of the run: the same model
+        make_greedy_chain(model, cfg)
     if args.routing != "uniform":
         add_routing_bias(model)
     loaded = LoadedModel(Path(f"synthetic:{args.preset}"), cfg, model, dtype, synthetic_ple_tables(cfg), None,

@@ -1,0 +1,99 @@
+"""How XLA keeps the decode step's CUDA graphs: one flag, chosen before JAX starts its GPU backend.
+
+XLA runs a compiled step as CUDA graphs ("command buffers") whose nodes hold device addresses. When a buffer the
+step uses lands at another address than at the last call, XLA updates the graph before launching it. The step's
+scratch memory is one allocation that every node touches, so when it moves, all ~1,900 nodes of the Flash-Next
+decode step are updated (10-11 ms of host time on the H200) and the graph is uploaded again (~9 ms): the host, not
+the device, then sets the rate. In the engine it moves from step to step because outputs still in use by the
+device are freed later, at moments that vary (docs/PERF.md, "Engine decode step").
+
+XLA's `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` (jax >= 0.11) maps the scratch memory at a fixed virtual
+address (XLA's VMM allocator), so the graphs are not updated for it. Measured on the H200 (2026-12-03): one user
+76.4 -> 152.1 tok/s, the same tokens. XLA's VMM allocator crashed the process (segfault) while a model placed
+experts in pinned host memory, so a run that streams experts keeps XLA's default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+FLAG = "--xla_gpu_command_buffer_update_mode"
+MODES = ("auto", "stable-scratch", "xla")
+_XLA_VALUE = {"stable-scratch": "SKIP_TEMP"}
+
+
+def supports_stable_scratch(jax_version: str | None = None) -> bool:
+    """Whether this jaxlib takes the flag's SKIP_TEMP: 0.11 does; 0.10 aborts at start-up on the unknown flag, and
+    upstream XLA has since renamed the values (a jaxlib after 0.11 is not assumed to take them until measured)."""
+    if jax_version is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            jax_version = version("jaxlib")
+        except PackageNotFoundError:
+            return False
+    parts = []
+    for piece in jax_version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return (0, 11) <= tuple(parts) < (0, 12)
+
+
+def choose_mode(mode: str, backend: str | None, streams_from_host: bool, environ: MutableMapping[str, str],
+                jax_version: str | None = None) -> tuple[str, str]:
+    """(mode, why): "stable-scratch" or "xla" for a requested `mode` ("auto" picks). `backend` is the device
+    probe's ("gpu", "cpu", None when unknown); `streams_from_host`: the plan streams experts from pinned host
+    memory. Raises ValueError for "stable-scratch" where it cannot work."""
+    if mode not in MODES:
+        raise ValueError(f"command buffer mode {mode!r}: expected one of {', '.join(MODES)}")
+    if FLAG in environ.get("XLA_FLAGS", ""):
+        return "xla", f"XLA_FLAGS already sets {FLAG}"
+    if mode == "xla":
+        return "xla", "asked for (--command-buffers xla)"
+    problem = None
+    if not supports_stable_scratch(jax_version):
+        problem = "only jax 0.11's XLA is known to take it (0.10 has no such flag; later ones renamed its values)"
+    elif streams_from_host:
+        problem = "experts are streamed from pinned host memory, which crashes under XLA's VMM allocator"
+    if mode == "stable-scratch":
+        if problem:
+            raise ValueError(f"--command-buffers stable-scratch: {problem}")
+        return mode, "asked for (--command-buffers stable-scratch)"
+    if problem:
+        return "xla", problem
+    if backend not in ("gpu", "cuda"):
+        return "xla", f"no CUDA graphs on the {backend} backend" if backend else "no GPU backend found"
+    return "stable-scratch", "the decode step's CUDA graphs are then not updated every step"
+
+
+def installed_backend(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """The backend JAX will start, guessed without starting it (for a process without a device probe): "cpu" when
+    JAX_PLATFORMS says so, "gpu" when a CUDA plugin is installed, else None."""
+    import importlib.util
+
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms and "cuda" not in platforms and "gpu" not in platforms:
+        return platforms.split(",")[0]
+    for plugin in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            if importlib.util.find_spec(plugin) is not None:
+                return "gpu"
+        except (ImportError, ValueError):
+            continue
+    return None
+
+
+def apply_mode(mode: str, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Adds the flag for `mode` to XLA_FLAGS (nothing for "xla"); effective only before JAX's backend starts."""
+    value = _XLA_VALUE.get(mode)
+    if value is not None:
+        environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {FLAG}={value}".strip()
+
+
+def configure(mode: str, backend: str | None, streams_from_host: bool,
+              environ: MutableMapping[str, str] = os.environ) -> str:
+    """`choose_mode` then `apply_mode`; returns a line for the start-up log."""
+    chosen, why = choose_mode(mode, backend, streams_from_host, environ)
+    apply_mode(chosen, environ)
+    return f"command buffers: {chosen} ({why})"
