@@ -326,9 +326,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      "on a GPU for steps of up to 16 sampled rows, the sizes measured; cond elsewhere)")
     srv.add_argument("--command-buffers", choices=("auto", "stable-scratch", "xla"), default="auto",
                      help="how XLA keeps each step's CUDA graphs: stable-scratch (the step's scratch memory at a "
-                     "fixed address, XLA's VMM allocator; jax >= 0.11: the graphs are not rebuilt every step: one "
+                     "fixed address, XLA's VMM allocator; jax 0.11: the graphs are not rebuilt every step: one "
                      "user 2x faster on the H200), xla (XLA's default) or auto (default: stable-scratch on a GPU "
-                     "with jax >= 0.11 unless experts are streamed from pinned host memory, which crashes under it)")
+                     "with jax 0.11 unless experts are served from the host: streaming them crashed under it)")
     srv.add_argument("--host-memory", choices=HOST_MEMORIES, default="auto",
                      help="streaming: where the streamed experts' rows live: pinned (jax's pinned host memory), "
                      "mapped (pinned host memory the GPU reads in place, seen by XLA as device memory, so the step "
@@ -641,9 +641,8 @@ def _serve_plan(args: argparse.Namespace, model_dir: Path) -> ServeSetup:
         pool = args.gpu_experts
         print(f"--gpu-experts {pool} overrides the plan's pool of {plan.gpu_experts}", flush=True)
     streaming = stream_plan(plan, engine, probe.backend, args.host_path, args.copy_slots)
-    streams = pool is not None and streaming.host_path == "stream"
-    print(command_buffers.configure(args.command_buffers, probe.backend, streams), flush=True)
-    if streams:
+    print(command_buffers.configure(args.command_buffers, probe.backend, pool is not None), flush=True)
+    if pool is not None and streaming.host_path == "stream":
         if args.gpu_experts is None:
             pool = streaming.gpu_experts
         print(f"host expert tier: {pool} of {plan.num_experts} experts per MoE layer in the device pool, the others "
@@ -731,11 +730,17 @@ def _plan(args: argparse.Namespace) -> int:
     if ctx.source != "flag":
         print(f"context: {args.slots} slots x {ctx.tokens} tokens ({ctx.reason})")
     print(format_plan(plan))
-    if plan.fits and plan.moe_layers and plan.gpu_experts < plan.num_experts:
+    host_tier = bool(plan.moe_layers and plan.gpu_experts < plan.num_experts)
+    if plan.fits and host_tier:
         from strata_jax.engine.planner import stream_plan
 
         streaming = stream_plan(plan, dataclasses.replace(engine, max_context=ctx.tokens), "gpu")
         print(f"experts outside the pool, served on a GPU (serve --host-path auto): {streaming.reason}")
+    if plan.fits:
+        from strata_jax.engine.command_buffers import choose_mode
+
+        mode, why = choose_mode("auto", "gpu", host_tier, os.environ)
+        print(f"command buffers on a GPU (serve --command-buffers auto): {mode} ({why})")
     print(describe(cpu_budget(pool_workers=args.pool_workers)), flush=True)
     if not plan.fits:
         print(f"error: {plan.message}", file=sys.stderr)

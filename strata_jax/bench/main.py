@@ -424,9 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     model.add_argument("--command-buffers", choices=command_buffers.MODES, default="auto",
                        help="how XLA keeps the steps' CUDA graphs: stable-scratch (scratch memory at a fixed "
-                       "address; jax >= 0.11), xla (XLA's default) or auto (default: stable-scratch on a GPU unless "
-                       "the run streams experts from pinned host memory: tier mode, or --vram-budget-mib without "
-                       "--host-path compute): strata_jax.engine.command_buffers")
+                       "address; jax 0.11), xla (XLA's default) or auto (default: stable-scratch on a GPU unless "
+                       "the run serves experts from the host: tier and host modes, --vram-budget-mib, "
+                       "--gpu-experts): strata_jax.engine.command_buffers")
     model.add_argument("--sampling-branches", choices=BRANCH_MODES, default="auto",
                        help="how the steps' sampling skips optional work: cond (lax.cond; on a GPU each copies its "
                        "predicate to the host mid-step), select (both sides computed, no host synchronisation) or "
@@ -520,9 +520,9 @@ def settle_planes(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    streams = args.mode == "tier" or (args.vram_budget_mib is not None and args.host_path != "compute")
+    host_tier = args.mode in ("tier", "host") or args.vram_budget_mib is not None or args.gpu_experts is not None
     try:  # before anything starts JAX's backend
-        print(command_buffers.configure(args.command_buffers, command_buffers.installed_backend(), streams),
+        print(command_buffers.configure(args.command_buffers, command_buffers.installed_backend(), host_tier),
               file=sys.stderr, flush=True)
     except ValueError as e:
         p.error(str(e))

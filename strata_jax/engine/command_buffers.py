@@ -7,10 +7,11 @@ decode step are updated (10-11 ms of host time on the H200) and the graph is upl
 the device, then sets the rate. In the engine it moves from step to step because outputs still in use by the
 device are freed later, at moments that vary (docs/PERF.md, "Engine decode step").
 
-XLA's `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` (jax >= 0.11) maps the scratch memory at a fixed virtual
+XLA's `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` (jax 0.11) maps the scratch memory at a fixed virtual
 address (XLA's VMM allocator), so the graphs are not updated for it. Measured on the H200 (2026-12-03): one user
 76.4 -> 152.1 tok/s, the same tokens. XLA's VMM allocator crashed the process (segfault) while a model placed
-experts in pinned host memory, so a run that streams experts keeps XLA's default.
+experts in pinned host memory, so a run that serves experts from the host (streamed, or computed there: not run
+under it) keeps XLA's default.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def supports_stable_scratch(jax_version: str | None = None) -> bool:
     return (0, 11) <= tuple(parts) < (0, 12)
 
 
-def choose_mode(mode: str, backend: str | None, streams_from_host: bool, environ: MutableMapping[str, str],
+def choose_mode(mode: str, backend: str | None, host_tier: bool, environ: MutableMapping[str, str],
                 jax_version: str | None = None) -> tuple[str, str]:
     """(mode, why): "stable-scratch" or "xla" for a requested `mode` ("auto" picks). `backend` is the device
-    probe's ("gpu", "cpu", None when unknown); `streams_from_host`: the plan streams experts from pinned host
-    memory. Raises ValueError for "stable-scratch" where it cannot work."""
+    probe's ("gpu", "cpu", None when unknown); `host_tier`: the plan leaves experts outside the device pool
+    (streamed from pinned host memory, or computed by the host). Raises ValueError for "stable-scratch" where it
+    cannot work."""
     if mode not in MODES:
         raise ValueError(f"command buffer mode {mode!r}: expected one of {', '.join(MODES)}")
     if FLAG in environ.get("XLA_FLAGS", ""):
@@ -53,9 +55,10 @@ def choose_mode(mode: str, backend: str | None, streams_from_host: bool, environ
         return "xla", "asked for (--command-buffers xla)"
     problem = None
     if not supports_stable_scratch(jax_version):
-        problem = "only jax 0.11's XLA is known to take it (0.10 has no such flag; later ones renamed its values)"
-    elif streams_from_host:
-        problem = "experts are streamed from pinned host memory, which crashes under XLA's VMM allocator"
+        problem = "only jax 0.11's XLA is known to take it: 0.10 has no such flag, later ones renamed its values"
+    elif host_tier:
+        problem = ("experts outside the device pool: streaming them from pinned host memory crashed under XLA's VMM "
+                   "allocator, and host compute was not run under it")
     if mode == "stable-scratch":
         if problem:
             raise ValueError(f"--command-buffers stable-scratch: {problem}")
@@ -81,7 +84,10 @@ def installed_backend(environ: MutableMapping[str, str] = os.environ) -> str | N
                 return "gpu"
         except (ImportError, ValueError):
             continue
-    return None
+    from importlib.metadata import distributions
+
+    names = ((d.metadata.get("Name") or "").lower().replace("_", "-") for d in distributions())
+    return "gpu" if any(name.startswith("jax-cuda") for name in names) else None
 
 
 def apply_mode(mode: str, environ: MutableMapping[str, str] = os.environ) -> None:
@@ -91,9 +97,9 @@ def apply_mode(mode: str, environ: MutableMapping[str, str] = os.environ) -> Non
         environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {FLAG}={value}".strip()
 
 
-def configure(mode: str, backend: str | None, streams_from_host: bool,
+def configure(mode: str, backend: str | None, host_tier: bool,
               environ: MutableMapping[str, str] = os.environ) -> str:
     """`choose_mode` then `apply_mode`; returns a line for the start-up log."""
-    chosen, why = choose_mode(mode, backend, streams_from_host, environ)
+    chosen, why = choose_mode(mode, backend, host_tier, environ)
     apply_mode(chosen, environ)
     return f"command buffers: {chosen} ({why})"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from strata_jax.engine.command_buffers import supports_stable_scratch
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "ckpt" / "qwen4_exp_causal"
 
@@ -51,6 +53,8 @@ def test_preset_at_24_gib(runs):
     assert "caches total (4 slots x 32768 tokens)" in out
     assert "of 512 experts per MoE layer on the GPU" in out and "stay in host RAM" in out
     assert "allocator: XLA_PYTHON_CLIENT_PREALLOCATE=false" in out
+    # Experts outside the device pool: XLA's default command buffers (its VMM allocator crashed with streaming).
+    assert "command buffers on a GPU (serve --command-buffers auto): xla (" in out
     cpu_line = next(line for line in out.splitlines() if line.startswith("visible CPUs "))
     assert cpu_line.endswith(": 3 pool workers (--pool-workers)")
 
@@ -84,3 +88,5 @@ def test_converted_directory_reads_its_marker_not_its_weights(runs):
     chosen = re.search(r"^context: 2 slots x (\d+) tokens \(plan: the largest that fits", out, re.MULTILINE)
     assert chosen and 1024 <= int(chosen[1]) < 65_536
     assert f"caches total (2 slots x {chosen[1]} tokens)" in out
+    want = "stable-scratch" if supports_stable_scratch() else "xla"  # every expert resident: nothing streams
+    assert f"command buffers on a GPU (serve --command-buffers auto): {want} (" in out

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NEW, OLD = "0.11.2", "0.10.2"
 
 
-def test_auto_picks_stable_scratch_only_on_a_gpu_that_does_not_stream():
+def test_auto_picks_stable_scratch_only_on_a_gpu_without_a_host_tier():
     assert cb.choose_mode("auto", "gpu", False, {}, NEW)[0] == "stable-scratch"
     mode, why = cb.choose_mode("auto", "gpu", True, {}, NEW)
     assert mode == "xla" and "pinned host memory" in why
@@ -39,6 +39,17 @@ def test_a_flag_the_user_set_wins_and_explicit_modes_are_checked():
         cb.choose_mode("stable-scratch", "gpu", False, {}, OLD)
     with pytest.raises(ValueError, match="expected one of"):
         cb.choose_mode("fast", "gpu", False, {}, NEW)
+
+
+def test_installed_backend_reads_jax_platforms_and_the_cuda_plugin(monkeypatch):
+    import importlib.util
+
+    assert cb.installed_backend({"JAX_PLATFORMS": "cpu"}) == "cpu"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "jax_cuda13_plugin"
+                        else real(name))
+    assert cb.installed_backend({}) == "gpu"
+    assert cb.installed_backend({"JAX_PLATFORMS": "cuda"}) == "gpu"
 
 
 def test_apply_appends_to_existing_flags():
@@ -68,7 +79,8 @@ def test_the_installed_jaxlib_accepts_what_auto_would_set():
 
 
 def test_bench_applies_it_before_jax_starts():
-    """The bench settles the mode from its own arguments first: tier mode streams, so stable-scratch is refused."""
+    """The bench settles the mode from its own arguments first: tier mode serves experts from the host, so
+    stable-scratch is refused."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "strata_jax.bench", "--mode", "tier", "--command-buffers",
                            "stable-scratch"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
