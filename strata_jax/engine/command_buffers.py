@@ -72,20 +72,12 @@ def choose_mode(mode: str, backend: str | None, host_tier: bool, environ: Mutabl
 
 def installed_backend(environ: MutableMapping[str, str] = os.environ) -> str | None:
     """The backend JAX will start, guessed without starting it (for a process without a device probe): "cpu" when
-    JAX_PLATFORMS says so, "gpu" when a CUDA plugin is installed, else None."""
-    import importlib.util
+    JAX_PLATFORMS says so, "gpu" when a jax CUDA plugin is installed, else None."""
+    from importlib.metadata import distributions
 
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms and "cuda" not in platforms and "gpu" not in platforms:
         return platforms.split(",")[0]
-    for plugin in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
-        try:
-            if importlib.util.find_spec(plugin) is not None:
-                return "gpu"
-        except (ImportError, ValueError):
-            continue
-    from importlib.metadata import distributions
-
     names = ((d.metadata.get("Name") or "").lower().replace("_", "-") for d in distributions())
     return "gpu" if any(name.startswith("jax-cuda") for name in names) else None
 
