@@ -223,8 +223,9 @@ def run_users(args) -> list[dict]:
                 if oracle_p is not None:  # the answers this engine gives, drafting nothing, are what it replays
                     recorded, _ = run_all_users(engine, prompts, args.gen_tokens)
                     drafter.record([p + tuple(r["token_ids"]) for p, r in zip(prompts, recorded)])
+                before = engine.stats()
                 results, wall = run_all_users(engine, prompts, args.gen_tokens)
-                stats = engine.stats()
+                stats = _counted_since(before, engine.stats())
                 if getattr(args, "profile", None):  # the same prompts again, 32 tokens each, under the profiler
                     trace_dir = os.path.join(args.profile, f"users{users}_{draft.replace(':', '')}")
                     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -267,6 +268,15 @@ def run_users(args) -> list[dict]:
                 # a wait near 0 means the host is the bottleneck (the device idles between steps).
                 "launch_ms_per_step": _per_step(stats, "decode_launch_seconds_total"),
                 "read_back_ms_per_step": _per_step(stats, "decode_read_back_seconds_total"),
+                # Steps run in step with the host (verify windows; decode with PLE, speculation or grammar): the
+                # runner call (launch, device, read back) and the engine thread's whole step (drafting, inputs,
+                # acceptance and output too), ms per step; the rest of the engine loop is neither.
+                "in_step_steps": stats.get("in_step_steps_total"),
+                "in_step_call_ms_per_step": _per_step(stats, "in_step_call_seconds_total", "in_step_steps_total"),
+                "in_step_ms_per_step": _per_step(stats, "in_step_seconds_total", "in_step_steps_total"),
+                "verify_steps": stats.get("verify_steps_total"),
+                "accepted_per_verify": (stats["accepted_draft_tokens_total"] / stats["verify_steps_total"]
+                                        if stats.get("verify_steps_total") else None),
                 "outputs": [r["token_ids"] for r in results],  # each user's tokens: runs that must agree, checked
             }
             if oracle_p is not None:  # what the replay saw: per-draft acceptance ~ P unless outputs left the record
@@ -285,14 +295,26 @@ def run_users(args) -> list[dict]:
 
 
 def _host_note(row: dict) -> str:
-    if row["launch_ms_per_step"] is None:
-        return ""
-    return (f"; per overlapped step {row['launch_ms_per_step']:.2f} ms launching, "
-            f"{row['read_back_ms_per_step']:.2f} ms waiting for the step before")
+    note = ""
+    if row["launch_ms_per_step"] is not None:
+        note += (f"; per overlapped step {row['launch_ms_per_step']:.2f} ms launching, "
+                 f"{row['read_back_ms_per_step']:.2f} ms waiting for the step before")
+    if row.get("in_step_ms_per_step") is not None:
+        note += (f"; {row['in_step_steps']} steps in step with the host: {row['in_step_call_ms_per_step']:.2f} ms "
+                 f"in the call, {row['in_step_ms_per_step']:.2f} ms in all")
+    if row.get("accepted_per_verify") is not None:
+        note += f"; {row['verify_steps']} verify steps, {row['accepted_per_verify']:.2f} drafts accepted per step"
+    return note
 
 
-def _per_step(stats: dict, key: str) -> float | None:
-    steps = stats.get("overlapped_steps_total")
+def _counted_since(before: dict, after: dict) -> dict:
+    """`after`, its counters (`*_total`) less `before`'s: the measured run's alone (the oracle's recording pass,
+    run by the same engine before it, is not counted)."""
+    return {k: v - before.get(k, 0) if k.endswith("_total") and k != "slots_total" else v for k, v in after.items()}
+
+
+def _per_step(stats: dict, key: str, steps_key: str = "overlapped_steps_total") -> float | None:
+    steps = stats.get(steps_key)
     return stats[key] / steps * 1e3 if steps and key in stats else None
 
 

@@ -63,6 +63,14 @@ class DraftLengths:
             s.hits, s.misses = MIN_GAIN, 1 - MIN_GAIN
         return k
 
+    def paused(self, slot: int, owner: object) -> bool:
+        """Whether `slot`'s next `length` is 0 for `owner` (a pause under way, or one about to start), without
+        counting anything: the engine then may overlap the step, having no drafts to wait for."""
+        s = self._slots.get(slot)
+        if s is None or s.owner is not owner:
+            return best_length(PRIOR[0] / (PRIOR[0] + PRIOR[1]), self.lengths) == 0
+        return s.paused > 0 or best_length(s.hits / (s.hits + s.misses), self.lengths) == 0
+
     def update(self, slot: int, proposed: int, accepted: int) -> None:
         """A verify window of `slot` checked `proposed` drafts and accepted the first `accepted` of them."""
         s = self._slots.get(slot)

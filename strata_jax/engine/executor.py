@@ -122,7 +122,10 @@ class StepExecutor:
             tokens[job.slot], active[job.slot] = job.last_token, True
         rows, new_ctx = self.model.ple_inputs(self._stacked_contexts(jobs), tokens[:, None], active.astype(np.int32))
         self._note_step_start()
-        out = self.runner.decode(tokens, active, rows, self._sampling(jobs), *self._grammar(jobs))
+        sampling, grammar = self._sampling(jobs), self._grammar(jobs)
+        started = time.perf_counter()
+        out = self.runner.decode(tokens, active, rows, sampling, *grammar)
+        self._count_step_call(started)
         self.after_step("decode")
         self._last_decode = time.monotonic()
         self.counters["decode_steps"] += 1
@@ -152,7 +155,10 @@ class StepExecutor:
         contexts = self._stacked_contexts(jobs)
         rows, _ = self.model.ple_inputs(contexts, tokens, n_valid)
         self._note_step_start()
-        out = self.runner.verify(tokens, n_valid, rows, self._sampling(jobs), masks, wanted)
+        sampling = self._sampling(jobs)
+        started = time.perf_counter()
+        out = self.runner.verify(tokens, n_valid, rows, sampling, masks, wanted)
+        self._count_step_call(started)
         self.after_step("verify")
         self._last_decode = time.monotonic()
         self.counters["verify_steps"] += 1
@@ -190,6 +196,7 @@ class StepExecutor:
         self.counters["decode_steps"] += 1
         for job in jobs:
             job.consumed += 1
+            job.device_drafts = []  # an MTP head's guesses stay on the device: the next drafts come from a plain step
         self.in_flight = InFlight(out.tokens, jobs, sampling)
         if previous is None:
             return None
@@ -224,6 +231,12 @@ class StepExecutor:
             self.max_stall = max(self.max_stall, now - self._last_decode)
         self._last_decode = now
         return out
+
+    def _count_step_call(self, started: float) -> None:
+        """A step run in step with the host (decode without overlap, verify): the time from calling the runner to
+        its results on the host, i.e. the device's step plus its launch, not hidden behind anything."""
+        self.counters["in_step_calls"] += 1
+        self.counters["in_step_call_seconds"] += time.perf_counter() - started
 
     def _note_step_start(self) -> None:
         if self._last_decode:

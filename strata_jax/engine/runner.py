@@ -207,17 +207,22 @@ class ModelRunner:
     def _unchanged_on_device(self, active: np.ndarray, sampling: Sampling) -> tuple[jax.Array, Sampling]:
         """A decode step's `active` mask and sampling arrays on the device, each re-uploaded only when its values
         changed since the last step (they change when a slot starts or ends, not from token to token): five fewer
-        host-to-device copies per step, work the host otherwise repeats on the step loop."""
-        named = zip(("active", "temperature", "top_k", "top_p", "seed"), (active, *sampling),
-                    (bool, np.float32, np.int32, np.float32, np.uint32))
-        out = []
-        for name, values, dtype in named:
-            values = np.asarray(values, dtype)
-            last = self._uploads.get(name)
-            if last is None or last[0].shape != values.shape or not np.array_equal(last[0], values):
-                last = self._uploads[name] = (values.copy(), jnp.asarray(values))
-            out.append(last[1])
-        return out[0], tuple(out[1:])
+        host-to-device copies per step, work the host otherwise repeats on the step loop, and inputs that keep
+        their address (the step's CUDA graphs need no update for them)."""
+        return self._kept("active", active, bool), self._kept_sampling(sampling)
+
+    def _kept_sampling(self, sampling: Sampling) -> Sampling:
+        names = ("temperature", "top_k", "top_p", "seed")
+        dtypes = (np.float32, np.int32, np.float32, np.uint32)
+        return tuple(self._kept(n, v, d) for n, v, d in zip(names, sampling, dtypes))
+
+    def _kept(self, name: str, values, dtype) -> jax.Array:
+        """`values` on the device: the last upload of input `name` while its values are the same."""
+        values = np.asarray(values, dtype)
+        last = self._uploads.get(name)
+        if last is None or last[0].shape != values.shape or not np.array_equal(last[0], values):
+            last = self._uploads[name] = (values.copy(), jnp.asarray(values))
+        return last[1]
 
     def _extras(self, shape: tuple[int, ...], mask: np.ndarray | None, logprobs: np.ndarray | None) -> dict:
         """The steps' (mask, logprobs) inputs: the caller's, or device-resident ones that allow every token and ask
@@ -261,9 +266,11 @@ class ModelRunner:
                sampling: Sampling, mask: np.ndarray | None = None, logprobs: np.ndarray | None = None) -> StepOutput:
         """Checks every slot's drafts (tokens [S, k+1], n_valid [S]; grammar masks [S, k+1, W] and
         log-probability requests [S], None: none); results on the host (log-probabilities on the device)."""
-        args = verify_args(tokens, n_valid, sampling, rows, self.model.dtype,
-                           **self._extras(tokens.shape, mask, logprobs))
+        # Window lengths and sampling arrays repeat from window to window: uploaded only when they change.
+        args = verify_args(tokens, self._kept("n_valid", n_valid, np.int32), self._kept_sampling(sampling), rows,
+                           self.model.dtype, **self._extras(tokens.shape, mask, logprobs))
         n_acc, out, drafts, lp, counts = self._run("verify", tokens.shape[1], self.config.slots, args)
+        n_acc, out, drafts = jax.device_get((n_acc, out, drafts))  # one wait for the three
         return StepOutput(np.asarray(out), np.asarray(drafts), counts, accepted=np.asarray(n_acc), logprobs=lp)
 
     # -- slots ---------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Each iteration: cancellations and stop-string ends free their slots, FIFO admiss
 prefix-cache snapshots, or waiting for the snapshot of a prompt that is prefilling the same first tokens), one
 prefill call runs the prompt pieces the prefill policy picks (strata_jax/engine/prefill_policy.py: narrow and paced
 while slots decode, shortest remaining first), then every decoding slot gets one step: verify when the drafter has
-guesses, else decode (overlapped with the host's work while nothing else needs the host in step with the device).
+guesses, else decode (overlapped with the host's work while nothing else needs the host in step with the device:
+no slot drafting this step (paused drafts do not count), no PLE rows, grammar masks or log-probabilities).
 Prefix snapshots are copied to the host asynchronously. The scheduler decides token-level ends (EOS, stop-token
 ids, length); stop strings are text-level and matched by the output processor.
 """
@@ -70,8 +71,10 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.busy_since: float | None = None  # when the iteration running now began (the watchdog reads it)
         self._abandoned: set[Job] = set()  # failed from outside while the engine thread was busy (watchdog, stop)
-        # Overlapped decode needs next-step inputs that live on the device: no host drafter, no PLE rows.
-        self._can_overlap = config.overlap_steps and drafter is None and not model.config.ple_layers
+        # Overlapped decode needs next-step inputs that live on the device: no PLE rows, and with a drafter only
+        # while every decoding slot's drafts are paused (adaptive lengths: `_may_overlap`).
+        self._can_overlap = config.overlap_steps and not model.config.ple_layers and (
+            drafter is None or self.draft_lengths is not None)
 
     # -- control -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,6 +172,12 @@ class Scheduler:
                 # waiting for the step before to finish. Little waiting means the host, not the device, sets the rate.
                 "decode_launch_seconds_total": self.counters["launch_seconds"],
                 "decode_read_back_seconds_total": self.counters["read_back_seconds"],
+                # Steps run in step with the host (speculation, PLE, grammar masks, log-probabilities: no overlap):
+                # their count, the runner calls' time (launch + device + read back) and the whole of each such
+                # step on the engine thread (drafting and inputs before, acceptance and output after, included).
+                "in_step_steps_total": self.counters["in_step_calls"],
+                "in_step_call_seconds_total": self.counters["in_step_call_seconds"],
+                "in_step_seconds_total": self.counters["in_step_seconds"],
                 "max_decode_stall_seconds": self.executor.max_stall,
                 **self.placement.stats(),  # host expert tier: GPU pool hit rate, promotions (if any)
             }
@@ -258,6 +267,9 @@ class Scheduler:
             self.counters["prefill_deferred"] += 1
         decoding = [j for j in self._slots if j is not None and not j.prefilling]
         if decoding and self._may_overlap():
+            if self.drafter is not None:  # every slot's drafts are paused: this step counts down their pauses
+                for job in decoding:
+                    self.draft_lengths.length(job.slot, job)
             step_started = time.perf_counter()  # launching waits for the step before: about one step's time
             landed = self.executor.launch(decoding)
             decode_s = time.perf_counter() - step_started
@@ -276,6 +288,7 @@ class Scheduler:
             else:
                 self._decode(decoding)
             decode_s = time.perf_counter() - step_started
+            self.counters["in_step_seconds"] += decode_s
         # Admission, restores, prefill and snapshots: time the decoding slots waited for.
         self.policy.prefilled(time.perf_counter() - started - decode_s, decoders)
         if decode_s:
@@ -363,6 +376,8 @@ class Scheduler:
             return False
         if any(j.host_bound for j in running):  # a grammar mask or log-probabilities: the host steps along
             return False
+        if self.drafter is not None and not all(self.draft_lengths.paused(j.slot, j) for j in decoding):
+            return False  # a slot drafts this step: its drafts need the in-flight step's tokens on the host
         in_flight = self.executor.in_flight
         return in_flight is None or all(j in in_flight.jobs for j in decoding)
 

@@ -105,6 +105,21 @@ def _logprobs(logits: jax.Array, tokens: jax.Array, wanted: jax.Array | None) ->
     return (token_logprobs(logits, tokens, MAX_TOP_LOGPROBS, jnp.any(wanted)),)
 
 
+def held(x: jax.Array) -> jax.Array:
+    """A non-negative int32 step input (`n_valid`, prefill's `slots`) copied into the step's own memory, for the
+    layers to read.
+
+    XLA runs a step as CUDA graphs whose commands hold buffer addresses, and updates every command reading a
+    buffer that moved since the last call. An input uploaded for each call moves every call; read by every layer
+    (the window lengths are), it would have most of the graph updated each step, as a moving scratch buffer did
+    (docs/PERF.md, "Engine decode step"). The copy lives in the step's scratch memory, kept at one address under
+    `--command-buffers stable-scratch`, so only the copying command reads the input. The copy is a reduction
+    (the maximum of `x` and 0, values unchanged): XLA fuses elementwise copies into their readers, which would
+    read the input again, and an optimization barrier is gone before fusion, but it does not fuse a reduction
+    into its readers."""
+    return jnp.stack([x, jnp.zeros_like(x)]).max(axis=0)
+
+
 def prefill_step(mtp_k, graphdef, state, cache, slots, tokens, n_valid, next_token, rows, temperature, top_k,
                  top_p, seed, mask=None, logprobs=None):
     """One prompt chunk for each of P distinct slots `slots` [P] at once: tokens [P, C], of which row p's first
@@ -120,6 +135,7 @@ def prefill_step(mtp_k, graphdef, state, cache, slots, tokens, n_valid, next_tok
     The slots' rows are updated in place in the (donated) cache, one layer at a time (`TextModel`'s `cache_rows`):
     no copy of the slots' whole cache is made (at 4 slots x 262,144 int8 that copy was 4.09 GiB per prompt)."""
     model = nnx.merge(graphdef, state)
+    slots, n_valid = held(slots), held(n_valid)
     lengths = take_rows(cache.lengths, slots) + n_valid  # each row's length after its chunk
     hidden, cache = model.model(tokens, cache, n_valid, rows, cache_rows=slots)
     last = jnp.maximum(n_valid - 1, 0)[:, None, None]
@@ -163,6 +179,7 @@ def verify_step(mtp_k, graphdef, state, cache, tokens, n_valid, rows, temperatur
     `logprobs` [S]. Returns (accepted drafts [S], emitted tokens [S, k+1], next drafts [S, mtp_k],
     (log-probabilities [S, k+1, ...], with `logprobs`), cache rolled back to what was kept, routing counts)."""
     model = nnx.merge(graphdef, state)
+    n_valid = held(n_valid)
     logits, hidden, after, replays = model.verify(tokens, cache, n_valid, rows)
     n_drafts = jnp.maximum(n_valid - 1, 0)
     n_acc, out = accept(_masked(logits, mask), tokens[:, 1:], n_drafts, temperature, top_k, top_p, seed,

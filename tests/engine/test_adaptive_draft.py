@@ -38,7 +38,13 @@ def test_lengths_grow_with_acceptance_shrink_with_misses_and_pause():
         policy.update(0, 4, 0)
         assert policy.length(0, owner) == 1
     policy.update(0, 1, 0)  # the third miss in a row: decode plainly for PAUSE_STEPS steps
-    assert [policy.length(0, owner) for _ in range(draft_policy.PAUSE_STEPS)] == [0] * draft_policy.PAUSE_STEPS
+    # `paused` says so ahead of each step (the engine may then overlap it) without counting the pause down.
+    ahead = []
+    for _ in range(draft_policy.PAUSE_STEPS):
+        ahead.append(policy.paused(0, owner) and policy.paused(0, owner))
+        assert policy.length(0, owner) == 0
+    assert ahead == [True] * draft_policy.PAUSE_STEPS
+    assert not policy.paused(0, owner) and not policy.paused(0, object())  # a new request starts at the prior
     assert policy.length(0, owner) == 1  # then try again with the shortest draft
     seen = []
     for _ in range(4):  # every draft accepted: longer drafts, up to the longest compiled
@@ -117,15 +123,21 @@ def _serve(model, cfg, prompts, max_tokens, drafter=None):
         eng.shutdown()
 
 
+def _replayed(model, cfg, p, seed, lengths, max_tokens):
+    """(plain greedy outputs, the engine's outputs, stats, verify widths) for random prompts of `lengths`, drafted
+    by a replay of the greedy answers with each draft right with probability `p`."""
+    rng = np.random.default_rng(seed)
+    prompts = [tuple(int(x) for x in rng.integers(0, 500, n)) for n in lengths]
+    want = [greedy(model, q, max_tokens) for q in prompts]
+    drafter = OracleDrafter([q + tuple(w) for q, w in zip(prompts, want)], p, model.config.vocab_size, seed=seed)
+    return (want, *_serve(model, cfg, prompts, max_tokens, drafter))
+
+
 def test_eight_drafts_adaptive_equal_plain_greedy(model):
-    rng = np.random.default_rng(3)
-    prompts = [tuple(int(x) for x in rng.integers(0, 500, n)) for n in (19, 33)]
-    want = [greedy(model, p, 30) for p in prompts]
     # A replay of the right answers, 90% of drafts right: lengths grow to 8 and fall back after misses.
-    drafter = OracleDrafter([p + tuple(w) for p, w in zip(prompts, want)], 0.9, model.config.vocab_size, seed=1)
     # One prefill width: the verify widths are what this test compiles for.
     cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(32,), prefix_cache_mib=0, draft_k=8)
-    got, stats, widths = _serve(model, cfg, prompts, 30, drafter)
+    want, got, stats, widths = _replayed(model, cfg, 0.9, 3, (19, 33), 30)
     assert got == want
     assert 0 < stats["accepted_draft_tokens_total"] < stats["draft_tokens_total"]
     assert set(widths) <= set(cfg.verify_widths) and 9 in widths and len(set(widths)) >= 2
@@ -140,3 +152,18 @@ def test_sixteen_ngram_drafts_equal_plain_greedy(model):
                          draft_k=16, adaptive_draft=False)
     got, stats, widths = _serve(model, fixed, prompts, 12)
     assert got == want and set(widths) == {17} and stats["draft_tokens_total"] > 0
+
+
+def test_paused_slots_decode_overlapped_and_equal_plain_greedy():
+    """A drafter that is always wrong: each slot pauses after three missed windows, and while every decoding slot
+    is paused the engine overlaps its decode steps (as with no drafter); the output is plain greedy's. (qwen3_next:
+    a model with PLE never overlaps, its next rows need the tokens on the host.)"""
+    model = strata_jax.load_model(FIXTURES / "ckpt" / "qwen3_next")
+    cfg = EngineConfig(slots=2, max_context=96, prefill_chunks=(32,), prefix_cache_mib=0, draft_k=2)
+    want, got, stats, _ = _replayed(model, cfg, 0.0, 6, (17, 25), 40)
+    assert got == want
+    assert stats["verify_steps_total"] > 0 and stats["accepted_draft_tokens_total"] == 0
+    assert stats["overlapped_steps_total"] > 0
+    # Verify windows and the steps around a pause's ends ran in step with the host; the paused ones did not.
+    assert stats["verify_steps_total"] <= stats["in_step_steps_total"] < (
+        stats["verify_steps_total"] + stats["decode_steps_total"])

@@ -101,6 +101,11 @@ def _check_run(model, eng, prompts, max_tokens):
     assert stats["verify_steps_total"] > 0
     assert sum(ev[-1].draft_tokens for ev in results) == stats["draft_tokens_total"] > 0
     assert sum(ev[-1].accepted_draft_tokens for ev in results) == stats["accepted_draft_tokens_total"]
+    # Verify windows run in step with the host (plain decode steps too, unless every slot's drafts are paused):
+    # each is one runner call timed inside the engine thread's whole step.
+    assert stats["verify_steps_total"] <= stats["in_step_steps_total"] <= (
+        stats["verify_steps_total"] + stats["decode_steps_total"] - stats["overlapped_steps_total"])
+    assert 0 < stats["in_step_call_seconds_total"] < stats["in_step_seconds_total"]
     return stats
 
 
