@@ -328,7 +328,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="how XLA keeps each step's CUDA graphs: stable-scratch (the step's scratch memory at a "
                      "fixed address, XLA's VMM allocator; jax 0.11: the graphs are not rebuilt every step: one "
                      "user 2x faster on the H200), xla (XLA's default) or auto (default: stable-scratch on a GPU "
-                     "with jax 0.11 unless experts are served from the host: streaming them crashed under it)")
+                     "with jax 0.11 unless experts are served from the host: that runs under it when asked, not yet "
+                     "measured)")
     srv.add_argument("--host-memory", choices=HOST_MEMORIES, default="auto",
                      help="streaming: where the streamed experts' rows live: pinned (jax's pinned host memory), "
                      "mapped (pinned host memory the GPU reads in place, seen by XLA as device memory, so the step "

@@ -426,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how XLA keeps the steps' CUDA graphs: stable-scratch (scratch memory at a fixed "
                        "address; jax 0.11), xla (XLA's default) or auto (default: stable-scratch on a GPU unless "
                        "the run serves experts from the host: tier and host modes, --vram-budget-mib, "
-                       "--gpu-experts): strata_jax.engine.command_buffers")
+                       "--gpu-experts; stable-scratch runs them, not yet measured): "
+                       "strata_jax.engine.command_buffers")
     model.add_argument("--sampling-branches", choices=BRANCH_MODES, default="auto",
                        help="how the steps' sampling skips optional work: cond (lax.cond; on a GPU each copies its "
                        "predicate to the host mid-step), select (both sides computed, no host synchronisation) or "

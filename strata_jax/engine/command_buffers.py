@@ -9,9 +9,11 @@ device are freed later, at moments that vary (docs/PERF.md, "Engine decode step"
 
 XLA's `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` (jax 0.11) maps the scratch memory at a fixed virtual
 address (XLA's VMM allocator), so the graphs are not updated for it. Measured on the H200 (2026-12-03): one user
-76.4 -> 152.1 tok/s, the same tokens. XLA's VMM allocator crashed the process (segfault) while a model placed
-experts in pinned host memory, so a run that serves experts from the host (streamed, or computed there: not run
-under it) keeps XLA's default.
+76.4 -> 152.1 tok/s, the same tokens. The flag turns on XLA's VMM allocator, under which a direct `device_put`
+into pinned host memory crashes the process (segfault, 2026-12-04); streamed experts' rows are therefore moved there
+by a jitted copy under it (`expert_stream.to_host_memory`), which a probe found exact. The streamed step itself
+has not been timed under the flag, so "auto" keeps XLA's default for a plan with experts outside the device pool
+(streamed, or computed by the host), and `--command-buffers stable-scratch` runs it when asked.
 """
 
 from __future__ import annotations
@@ -45,26 +47,27 @@ def choose_mode(mode: str, backend: str | None, host_tier: bool, environ: Mutabl
                 jax_version: str | None = None) -> tuple[str, str]:
     """(mode, why): "stable-scratch" or "xla" for a requested `mode` ("auto" picks). `backend` is the device
     probe's ("gpu", "cpu", None when unknown); `host_tier`: the plan leaves experts outside the device pool
-    (streamed from pinned host memory, or computed by the host). Raises ValueError for "stable-scratch" where it
-    cannot work."""
+    (streamed from pinned host memory, or computed by the host): "auto" then keeps XLA's default. Raises ValueError
+    for "stable-scratch" where the jaxlib cannot take it."""
     if mode not in MODES:
         raise ValueError(f"command buffer mode {mode!r}: expected one of {', '.join(MODES)}")
     if FLAG in environ.get("XLA_FLAGS", ""):
         return "xla", f"XLA_FLAGS already sets {FLAG}"
     if mode == "xla":
         return "xla", "asked for (--command-buffers xla)"
-    problem = None
     if not supports_stable_scratch(jax_version):
         problem = "only jax 0.11's XLA is known to take it: 0.10 has no such flag, later ones renamed its values"
-    elif host_tier:
-        problem = ("experts outside the device pool: streaming them from pinned host memory crashed under XLA's VMM "
-                   "allocator, and host compute was not run under it")
-    if mode == "stable-scratch":
-        if problem:
+        if mode == "stable-scratch":
             raise ValueError(f"--command-buffers stable-scratch: {problem}")
-        return mode, "asked for (--command-buffers stable-scratch)"
-    if problem:
         return "xla", problem
+    if mode == "stable-scratch":
+        if host_tier:
+            return mode, ("asked for (--command-buffers stable-scratch); with experts outside the device pool it is "
+                          "not yet measured (docs/PERF.md)")
+        return mode, "asked for (--command-buffers stable-scratch)"
+    if host_tier:
+        return "xla", ("experts outside the device pool: not yet measured under stable-scratch (--command-buffers "
+                       "stable-scratch runs it)")
     if backend not in ("gpu", "cuda"):
         return "xla", f"no CUDA graphs on the {backend} backend" if backend else "no GPU backend found"
     return "stable-scratch", "the decode step's CUDA graphs are then not updated every step"

@@ -28,6 +28,7 @@ device's `pinned_host` memory and the copies are plain copies: tests run the sam
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -150,7 +151,26 @@ def to_host_memory(rows: np.ndarray, device=None, memory: str = "auto") -> jax.A
     if kind is None:
         raise RuntimeError(f"host_path='stream' needs pinned host memory, which {device.device_kind} does not offer; "
                            "use host_path='compute' (the planner chooses it there)")
-    return jax.device_put(rows, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+    if not vmm_allocator():
+        return jax.device_put(rows, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+    # Under XLA's VMM allocator a direct device_put into pinned host memory crashes the process (H200, jax 0.11.2,
+    # 2026-12-04: a segfault), while the same rows put on the device and moved there by a jitted copy arrive exact.
+    on_device = jax.device_put(rows, jax.sharding.SingleDeviceSharding(device))
+    return _moved_to(device, kind)(on_device)
+
+
+def vmm_allocator(environ=None) -> bool:
+    """Whether XLA will run with its VMM allocator: `--command-buffers stable-scratch`
+    (strata_jax.engine.command_buffers) sets the flag that turns it on."""
+    import os
+
+    flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
+    return "--xla_gpu_command_buffer_update_mode=SKIP_TEMP" in flags
+
+
+@functools.lru_cache(maxsize=None)
+def _moved_to(device, kind: str):
+    return jax.jit(lambda x: x, out_shardings=jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
 
 def stream_copy_slots(tokens: int, top_k: int, num_experts: int, pool: int, copy_slots: int | None = None,

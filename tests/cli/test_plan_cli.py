@@ -53,7 +53,7 @@ def test_preset_at_24_gib(runs):
     assert "caches total (4 slots x 32768 tokens)" in out
     assert "of 512 experts per MoE layer on the GPU" in out and "stay in host RAM" in out
     assert "allocator: XLA_PYTHON_CLIENT_PREALLOCATE=false" in out
-    # Experts outside the device pool: XLA's default command buffers (its VMM allocator crashed with streaming).
+    # Experts outside the device pool: XLA's default command buffers (stable-scratch not yet measured there).
     assert "command buffers on a GPU (serve --command-buffers auto): xla (" in out
     cpu_line = next(line for line in out.splitlines() if line.startswith("visible CPUs "))
     assert cpu_line.endswith(": 3 pool workers (--pool-workers)")
