@@ -13,6 +13,10 @@ kernels are named after their Python function, library kernels after themselves)
 Without HLO (or with `--by-kernel`), kernel time adds up per kernel name, numeric suffix dropped. With `--gemms`
 (HLO needed), the matrix products alone (`gemm`/`dot` instructions: XLA's Triton GEMM fusions, cuBLAS calls) add up
 per output shape and op, to see which projection runs how far from its bytes.
+
+With `--host`, the host's side instead: every event off the device, per name (XLA's `command_buffer::update` when a
+CUDA graph is updated before its launch, `cuGraphLaunch`, the executable's `Execute`, ...), with its calls and time
+per step and per call. Nested events each count in full (an update inside an `Execute` counts in both).
 """
 
 from __future__ import annotations
@@ -128,6 +132,21 @@ def occupancy(trace: dict, steps: int) -> dict:
                 busy_us=sum(float(e.get("dur", 0.0)) for e in events) / steps, span_us=(end - start) / steps)
 
 
+def host_rows(trace: dict, steps: int) -> list[tuple[str, float, float, float]]:
+    """(event name, calls per step, microseconds per step, microseconds per call) of the timed events off the
+    device (on a trace without a device: those that name no HLO instruction), largest time first."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    on_device = {id(e) for e in kernel_events(trace)}
+    calls: dict[str, int] = defaultdict(int)
+    micros: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and id(e) not in on_device:
+            calls[e["name"]] += 1
+            micros[e["name"]] += float(e.get("dur", 0.0))
+    rows = [(name, calls[name] / steps, micros[name] / steps, micros[name] / calls[name]) for name in calls]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata_jax.bench.profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,12 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="steps the trace holds (bench --profile traces 2)")
     p.add_argument("--by-kernel", action="store_true", help="sum by kernel name even when HLO is given")
     p.add_argument("--gemms", action="store_true", help="the matrix products only, per output shape and op (needs HLO)")
+    p.add_argument("--host", action="store_true", help="the host's events instead (graph updates, launches, ...), "
+                   "per name")
+    p.add_argument("--top", type=int, default=25, help="with --host: the names with the most time (default 25)")
     args = p.parse_args(argv)
     if args.gemms and not args.hlo:
         p.error("--gemms needs the step's HLO text")
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
         trace = json.load(f)
+    if args.host:
+        print("| host event | calls per step | us per step | us per call |")
+        print("| --- | --- | --- | --- |")
+        for name, n, us, per_call in host_rows(trace, args.steps)[:args.top]:
+            print(f"| {name[:80]} | {n:.1f} | {us:.0f} | {per_call:.1f} |")
+        return 0
     hlo_text = None
     if args.hlo and not args.by_kernel:
         with open(args.hlo) as f:

@@ -364,3 +364,32 @@ def test_occupancy_counts_graphed_kernels_and_idle_time():
     occ = occupancy(trace, steps=2)
     assert occ == dict(kernels=3, in_graphs=2, busy_us=40.0, span_us=160.0)
     assert occupancy({"traceEvents": []}, steps=2)["kernels"] == 0
+
+
+def test_host_events_add_up_per_name_off_the_device(capsys, tmp_path):
+    """`--host`: the host's events per name (graph updates, launches), per step and per call; kernels left out."""
+    from strata_jax.bench.profile import host_rows
+    from strata_jax.bench.profile import main as profile_main
+
+    def event(pid, name, dur, **args):
+        return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": 0, "dur": dur, "args": args}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        event(1, "Execute", 900.0), event(1, "command_buffer::update", 300.0), event(1, "cuGraphLaunch", 50.0),
+        event(1, "Execute", 700.0), event(1, "cuGraphLaunch", 30.0),
+        event(7, "fusion_1", 400.0, hlo_op="command_buffer_1"), event(7, "fusion_1", 400.0, hlo_op="command_buffer_1")]}
+    assert host_rows(trace, steps=2) == [("Execute", 1.0, 800.0, 800.0), ("command_buffer::update", 0.5, 150.0, 300.0),
+                                         ("cuGraphLaunch", 1.0, 40.0, 40.0)]
+    # On a CPU trace (no device process) the kernels are the events naming an HLO instruction.
+    cpu = {"traceEvents": [event(1, "Execute", 10.0), event(1, "fusion.3", 4.0, hlo_op="fusion.3")]}
+    assert host_rows(cpu, steps=1) == [("Execute", 1.0, 10.0, 10.0)]
+    import gzip
+
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    assert profile_main([str(path), "--host", "--top", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "| Execute | 1.0 | 800 | 800.0 |" and len(lines) == 4
