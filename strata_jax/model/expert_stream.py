@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -155,15 +157,14 @@ def to_host_memory(rows: np.ndarray, device=None, memory: str = "auto") -> jax.A
         return jax.device_put(rows, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
     # Under XLA's VMM allocator a direct device_put into pinned host memory crashes the process (H200, jax 0.11.2,
     # 2026-12-04: a segfault), while the same rows put on the device and moved there by a jitted copy arrive exact.
+    # One layer's table passes through device memory at a time (354 MB at Flash-Next shapes: within the reserve).
     on_device = jax.device_put(rows, jax.sharding.SingleDeviceSharding(device))
     return _moved_to(device, kind)(on_device)
 
 
-def vmm_allocator(environ=None) -> bool:
+def vmm_allocator(environ: Mapping[str, str] | None = None) -> bool:
     """Whether XLA will run with its VMM allocator: `--command-buffers stable-scratch`
     (strata_jax.engine.command_buffers) sets the flag that turns it on."""
-    import os
-
     flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
     return "--xla_gpu_command_buffer_update_mode=SKIP_TEMP" in flags
 
