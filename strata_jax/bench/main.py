@@ -34,6 +34,9 @@ model unless `--model-dir`): status classes, 5xx, engine errors leaked to a stre
 (strata_jax/bench/fuzz.py).
 Mode `gguf`: writes a random-weight llama.cpp GGUF at --preset shapes (Q1_0 experts, BF16 dense), times
 `load_model` of it and of the same model converted to our format, and decode tok/s from it (strata_jax/bench/gguf.py).
+Mode `peer`: llama.cpp's llama-bench and llama-batched-bench (from `--peer-bin DIR`) on a random-weight GGUF at
+--preset shapes, one stream and --users streams of --prompt-tokens + --gen-tokens; `--peer-with-ours` then runs our
+users mode on the same shapes beside them (strata_jax/bench/peer.py).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from strata_jax.bench.agents import agents_args, print_agents_table, run_agents
 from strata_jax.bench.attention import attention_args, print_attention_table, run_attention
 from strata_jax.bench.fuzz import fuzz_args, print_fuzz_report, run_fuzz
 from strata_jax.bench.gguf import gguf_args, print_gguf_table, run_gguf
+from strata_jax.bench.peer import find_binaries, peer_args, print_peer_table, run_peer
 from strata_jax.bench.prefill import prefill_args, print_prefill_table, run_prefill
 from strata_jax.bench.deltanet import deltanet_args, print_deltanet_table, run_deltanet
 from strata_jax.bench.hyper import hyper_args, print_hyper_table, run_hyper
@@ -389,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  load       quantize-on-load against restoring a converted directory\n"
         "  fuzz       hostile bodies against a real server\n"
         "  gguf       load a llama.cpp GGUF at real shapes (and our format), decode from it\n"
+        "  peer       llama.cpp's own benchmarks (a binary given by --peer-bin) at the same shapes, beside ours\n"
         "  mesh       the decode step over a device mesh (--devices) against the step without one\n\n"
         "Run `python -m strata_jax.bench --mode MODE` with that mode's options; strata_jax/bench/main.py's "
         "docstring says more about each.",
@@ -397,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("what to run")
     run.add_argument("--mode", choices=["users", "step", "quant", "load", "tier", "host", "roundtrip", "deltanet",
                                          "hyper", "attention", "fuzz", "prefill", "agents", "mesh",
-                                         "gguf"],
+                                         "gguf", "peer"],
                      default="users", help="what to measure (the list above)")
     run.add_argument("--json", help="also write the rows as JSON to this file (default: not written)")
     model = p.add_argument_group("model and shapes (shared by several modes)")
@@ -499,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefill_args(p)  # adds its own "prefill mode" group
     agents_args(p)  # adds its own "agents mode" group
     gguf_args(p)  # adds its own "gguf mode" group
+    peer_args(p)
     return p
 
 
@@ -528,6 +534,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     set_branch_mode(args.sampling_branches)
+    if args.mode == "peer":
+        try:
+            find_binaries(args.peer_bin or "")
+        except ValueError as e:
+            p.error(str(e) if args.peer_bin else "--mode peer needs --peer-bin DIR (llama.cpp's programs)")
     if args.mode in ("users", "prefill", "agents") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
     args.dtype = bench_dtype(args.dtype, args.model_dir, jax.default_backend())
@@ -568,6 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "gguf":  # a llama.cpp GGUF at real shapes: write, load, convert, decode (bench/gguf.py)
         rows = run_gguf(args)
         print_gguf_table(rows)
+    elif args.mode == "peer":  # llama.cpp's benchmarks at the same shapes, then ours (strata_jax/bench/peer.py)
+        rows = run_peer(args)
+        print_peer_table(rows)
     elif args.mode == "agents":  # multi-turn agent sessions sharing a prefix (strata_jax/bench/agents.py)
         on_row = (lambda done: _write_json(args.json, done)) if args.json else None
         rows = run_agents(args, bench_model(args), on_row)
