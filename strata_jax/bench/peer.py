@@ -11,9 +11,11 @@ llama.cpp runs the shapes our users mode measures, with its own benchmarks:
 * one stream decoding `--gen-tokens` after an empty context and after a `--prompt-tokens` context: `llama-bench
   -p 0 -n G -d 0,P` (tg128, tg128 @ d512 by default);
 * B streams, each decoding G tokens after its own P-token prompt, for B in `--users`: `llama-batched-bench -npp P
-  -ntg G -npl B`, whose S_TG is the aggregate decode rate (per stream: S_TG / B).
+  -ntg G -npl B`, whose S_TG is the aggregate decode rate (per stream: S_TG / B);
+* with `--peer-prefill N,...`, one prompt of N tokens each: `llama-bench -p N -n 0` (pp20000: prompt tokens per
+  second, what our prefill mode's TTFT gives as N / TTFT).
 
-Both with every layer on the GPU and flash attention on. With `--peer-with-ours` our users mode then runs the same
+All with every layer on the GPU and flash attention on. With `--peer-with-ours` our users mode then runs the same
 users, prompt and answer lengths (no speculation) in this process, after llama.cpp has left the GPU, and the table
 shows the two side by side with their ratio.
 """
@@ -43,11 +45,15 @@ def find_binaries(bin_dir: str | Path) -> dict[str, Path]:
 
 
 def peer_commands(bins: dict[str, Path], gguf: Path, prompt: int, gen: int, users: list[int],
-                  reps: int) -> dict[str, list[str]]:
-    """The two command lines, JSON lines on stdout."""
+                  reps: int, prefill: list[int] | None = None) -> dict[str, list[str]]:
+    """The command lines (JSON lines on stdout): decode at one stream, at each of `users` streams, and (with
+    `prefill`) one prompt of each length."""
     streams = sorted(set(users))
     ctx = max(streams) * (prompt + gen) + 256
-    return {
+    cmds = {} if not prefill else {
+        "prefill": [str(bins[LLAMA_BENCH]), "-m", str(gguf), "-ngl", "99", "-fa", "on",
+                    "-p", ",".join(map(str, prefill)), "-n", "0", "-r", "1", "-o", "jsonl"]}
+    return cmds | {
         LLAMA_BENCH: [str(bins[LLAMA_BENCH]), "-m", str(gguf), "-ngl", "99", "-fa", "on", "-p", "0", "-n", str(gen),
                       "-d", f"0,{prompt}", "-r", str(reps), "-o", "jsonl"],
         BATCHED_BENCH: [str(bins[BATCHED_BENCH]), "-m", str(gguf), "-ngl", "99", "-fa", "on", "-c", str(ctx),
@@ -71,10 +77,15 @@ def _json_lines(text: str) -> list[dict]:
 
 def parse_llama_bench(text: str) -> list[dict]:
     """llama-bench's `-o jsonl` results -> rows (one stream): test name as llama.cpp prints it, tok/s mean and
-    standard deviation."""
+    standard deviation (a prompt-only test: `prompt_tok_s`, no decode rate)."""
     rows = []
     for r in _json_lines(text):
-        if "avg_ts" not in r or not r.get("n_gen"):
+        if "avg_ts" not in r or not (r.get("n_gen") or r.get("n_prompt")):
+            continue
+        if not r.get("n_gen"):  # a prompt alone: prompt tokens per second
+            rows.append({"system": "llama.cpp", "program": LLAMA_BENCH, "test": f"pp{r['n_prompt']}", "streams": 1,
+                         "context_tokens": 0, "gen_tokens": 0, "prompt_tokens": int(r["n_prompt"]),
+                         "prompt_tok_s": float(r["avg_ts"]), "tok_s_per_stream": None, "aggregate_tok_s": None})
             continue
         test = f"tg{r['n_gen']}" + (f" @ d{r['n_depth']}" if r.get("n_depth") else "")
         rows.append({"system": "llama.cpp", "program": LLAMA_BENCH, "test": test, "streams": 1,
@@ -132,15 +143,19 @@ def run_llama_cpp(args) -> list[dict]:
             write_random_gguf(gguf, preset_config(args.preset), seed=0)
         elif not gguf.is_file():
             raise ValueError(f"--peer-gguf {gguf}: no such file")
-        cmds = peer_commands(bins, gguf, args.prompt_tokens, args.gen_tokens, args.users, args.peer_reps)
+        prefill = getattr(args, "peer_prefill", None)
+        cmds = peer_commands(bins, gguf, args.prompt_tokens, args.gen_tokens, args.users, args.peer_reps, prefill)
         logs = Path(args.peer_logs) if args.peer_logs else workdir
         logs.mkdir(parents=True, exist_ok=True)
         single = parse_llama_bench(_run(cmds[LLAMA_BENCH], logs / "llama-bench.log", args.peer_timeout))
         batched = parse_batched_bench(_run(cmds[BATCHED_BENCH], logs / "llama-batched-bench.log",
                                            args.peer_timeout))
-        if not single or not batched:
+        prompts = []
+        if prefill:
+            prompts = parse_llama_bench(_run(cmds["prefill"], logs / "llama-bench-prefill.log", args.peer_timeout))
+        if not single or not batched or (prefill and not prompts):
             raise RuntimeError(f"llama.cpp printed no results (logs in {logs})")
-        return single + batched
+        return single + batched + prompts
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -178,10 +193,17 @@ def print_peer_table(rows: list[dict]) -> None:
     print("\n| system | test | streams | tok/s per stream | aggregate tok/s | ours / llama.cpp |")
     print("|---|---|---|---|---|---|")
     for r in rows:
+        if r["tok_s_per_stream"] is None:
+            continue
         spread = f" ± {r['tok_s_stdev']:.2f}" if r.get("tok_s_stdev") else ""
         ratio = f"{r['vs_llama_cpp']:.2f}x (vs {r['compared_with']})" if "vs_llama_cpp" in r else "-"
         print(f"| {r['system']} | {r['test']} | {r['streams']} | {r['tok_s_per_stream']:.1f}{spread} "
               f"| {r['aggregate_tok_s']:.1f} | {ratio} |")
+    prompts = [r for r in rows if r["tok_s_per_stream"] is None]
+    if prompts:
+        print("\n| system | test | prompt tok/s |\n|---|---|---|")
+        for r in prompts:
+            print(f"| {r['system']} | {r['test']} | {r['prompt_tok_s']:.0f} |")
 
 
 def peer_args(p) -> None:
@@ -194,5 +216,8 @@ def peer_args(p) -> None:
     g.add_argument("--peer-reps", type=int, default=3, help="peer mode: llama-bench repetitions")
     g.add_argument("--peer-timeout", type=float, default=1800.0, help="peer mode: seconds each program may run")
     g.add_argument("--peer-logs", metavar="DIR", help="peer mode: keep llama.cpp's logs here (default: removed)")
+    g.add_argument("--peer-prefill", type=lambda v: [int(n) for n in v.split(",") if n], default=None,
+                   metavar="N,...", help="peer mode: also one prompt of each length through llama-bench (prompt "
+                   "tokens per second; e.g. 20000; default: none)")
     g.add_argument("--peer-with-ours", action="store_true",
                    help="peer mode: then run our users mode on the same shapes and compare")

@@ -81,10 +81,24 @@ def test_the_rows_are_llama_cpps_numbers_at_our_shapes(tmp_path):
 
 
 def test_parsers_skip_everything_but_results():
-    noise = "build: 1 (abc)\n{not json}\n{\"n_gen\": 0, \"avg_ts\": 2101.0, \"n_prompt\": 20000}\n"
+    noise = "build: 1 (abc)\n{not json}\n{\"n_gen\": 0, \"n_prompt\": 0, \"avg_ts\": 1.0}\n"
     assert parse_llama_bench(noise + json.dumps(BENCH_LINES[0])) == parse_llama_bench(json.dumps(BENCH_LINES[0]))
-    assert len(parse_llama_bench(noise)) == 0  # a prompt-only test (pp20000) is not a decode row
-    assert parse_batched_bench(noise) == []
+    assert parse_llama_bench(noise) == [] and parse_batched_bench(noise) == []
+    # A prompt-only test (pp20000) is a prompt-rate row, not a decode row.
+    (pp,) = parse_llama_bench('{"n_prompt": 20000, "n_gen": 0, "n_depth": 0, "avg_ts": 2101.0, "stddev_ts": 0}')
+    assert (pp["test"], pp["prompt_tok_s"], pp["tok_s_per_stream"]) == ("pp20000", 2101.0, None)
+
+
+def test_prefill_lengths_run_as_one_prompt_each(tmp_path):
+    _program(tmp_path, LLAMA_BENCH, [*BENCH_LINES, {"n_prompt": 20000, "n_gen": 0, "n_depth": 0, "avg_ts": 2101.0,
+                                                    "stddev_ts": 0.0}])
+    _program(tmp_path, BATCHED_BENCH, BATCHED_LINES)
+    rows = run_llama_cpp(_args(tmp_path, peer_prefill=[20000]))
+    argv = (tmp_path / f"{LLAMA_BENCH}.argv").read_text().split("\n")  # the last llama-bench call: the prompt
+    assert argv[argv.index("-p") + 1] == "20000" and argv[argv.index("-n") + 1] == "0"
+    assert [r["test"] for r in rows if r["tok_s_per_stream"] is None] == ["pp20000"] * 2  # the stand-in prints it
+    assert ours_beside(rows, [{"users": 1, "per_user_tok_s": 100.0, "aggregate_tok_s": 90.0}])[0][
+        "compared_with"] == "tg128 @ d512"
 
 
 def test_ours_is_compared_with_the_same_streams():
@@ -124,8 +138,8 @@ def test_real_llama_cpp_on_a_tiny_gguf_of_ours(tmp_path):
     """llama.cpp loads the random-weight GGUF we write (tiny preset) and its output parses into rows."""
     args = SimpleNamespace(peer_bin=os.environ["STRATA_LLAMA_CPP_BIN"], peer_gguf=None, preset="tiny",
                            prompt_tokens=32, gen_tokens=8, users=[1, 2], peer_reps=1, peer_timeout=600.0,
-                           peer_logs=str(tmp_path))
+                           peer_logs=str(tmp_path), peer_prefill=[48])
     rows = run_llama_cpp(args)
     assert [(r["test"], r["streams"]) for r in rows] == [("tg8", 1), ("tg8 @ d32", 1), ("1 x pp32+tg8", 1),
-                                                         ("2 x pp32+tg8", 2)]
-    assert all(r["tok_s_per_stream"] > 0 for r in rows)
+                                                         ("2 x pp32+tg8", 2), ("pp48", 1)]
+    assert all(r["tok_s_per_stream"] > 0 for r in rows[:4]) and rows[4]["prompt_tok_s"] > 0
