@@ -539,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
             find_binaries(args.peer_bin or "")
         except ValueError as e:
             p.error(str(e) if args.peer_bin else "--mode peer needs --peer-bin DIR (llama.cpp's programs)")
+        # JAX starts below; left to preallocate it would hold most of the GPU while llama.cpp runs.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if args.mode in ("users", "prefill", "agents") and args.model_dir is None and args.preset is None:
         args.model_dir = str(DEMO_MODEL)
     args.dtype = bench_dtype(args.dtype, args.model_dir, jax.default_backend())

@@ -17,7 +17,8 @@ llama.cpp runs the shapes our users mode measures, with its own benchmarks:
 
 All with every layer on the GPU and flash attention on. With `--peer-with-ours` our users mode then runs the same
 users, prompt and answer lengths (no speculation) in this process, after llama.cpp has left the GPU, and the table
-shows the two side by side with their ratio.
+shows the two side by side with their ratio. The mode starts JAX without preallocating the GPU's memory
+(`XLA_PYTHON_CLIENT_PREALLOCATE=false` unless set), so that llama.cpp finds it free.
 """
 
 from __future__ import annotations

@@ -143,3 +143,19 @@ def test_real_llama_cpp_on_a_tiny_gguf_of_ours(tmp_path):
     assert [(r["test"], r["streams"]) for r in rows] == [("tg8", 1), ("tg8 @ d32", 1), ("1 x pp32+tg8", 1),
                                                          ("2 x pp32+tg8", 2), ("pp48", 1)]
     assert all(r["tok_s_per_stream"] > 0 for r in rows[:4]) and rows[4]["prompt_tok_s"] > 0
+
+
+def test_the_mode_from_the_command_line(tmp_path, monkeypatch, capsys):
+    """`bench --mode peer` end to end with the stand-ins: JSON rows, the table, and JAX told not to preallocate the
+    GPU that llama.cpp runs on."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    _program(tmp_path, LLAMA_BENCH, BENCH_LINES)
+    _program(tmp_path, BATCHED_BENCH, BATCHED_LINES)
+    args = _args(tmp_path)
+    out = tmp_path / "peer.json"
+    assert main(["--mode", "peer", "--peer-bin", str(tmp_path), "--peer-gguf", args.peer_gguf, "--users", "1,8",
+                 "--json", str(out)]) == 0
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["test"] for r in rows] == ["tg128", "tg128 @ d512", "1 x pp512+tg128", "8 x pp512+tg128"]
+    assert "| llama.cpp | 8 x pp512+tg128 | 8 | 47.7 | 381.2 | - |" in capsys.readouterr().out
