@@ -211,7 +211,7 @@ def peer_args(p) -> None:
     """The peer mode's flags (it also reads --preset, --users, --prompt-tokens, --gen-tokens)."""
     g = p.add_argument_group("peer mode")
     g.add_argument("--peer-bin", metavar="DIR", help="peer mode: the folder holding llama.cpp's llama-bench and "
-                   "llama-batched-bench (required)")
+                   "llama-batched-bench (default: none; peer mode then stops, asking for it)")
     g.add_argument("--peer-gguf", metavar="FILE", help="peer mode: the GGUF to run (default: a random-weight one "
                    "at --preset shapes, written to a temporary folder and removed)")
     g.add_argument("--peer-reps", type=int, default=3, help="peer mode: llama-bench repetitions")
