@@ -277,7 +277,8 @@ def test_profile_maps_command_buffer_kernels_by_name():
     host = {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/host:CPU"}}
 
     def kernel(name, dur):
-        return {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": dur, "name": name, "args": {"hlo_op": "command_buffer_1"}}
+        return {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": dur, "name": name,
+                "args": {"hlo_op": "command_buffer_1"}}
 
     events = [gpu, host, kernel("loop_add_fusion_85", 3.0), kernel("gemm_fusion_dot_7", 5.0),
               kernel("gemm_fusion_dot_7", 5.0), kernel("_gate_up_kernel", 20.0),
