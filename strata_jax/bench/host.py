@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.bench.kernels import routings, time_fn
+from strata_jax.host.experts_numba import threading_layer
 from strata_jax.host.pool import HostPool
 from strata_jax.host.tier import HostTier
 from strata_jax.bench.synthetic import preset_config
@@ -119,6 +120,8 @@ def run_host_layer(args) -> list[dict]:
     for kernel in args.host_kernel.split(","):
         tier.use_kernel(kernel)
         tier.warm_up(8)
+        if kernel == "numba" and tier.pool.workers > 1:
+            print(f"numba: threading layer {threading_layer()} (NUMBA_THREADING_LAYER overrides)", flush=True)
         for spec in args.host_pairs.split(","):
             t, pairs = _pairs(spec, k)
             x = rng.standard_normal((t, cfg.hidden_size)).astype(np.float32)

@@ -481,8 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "pytree (to measure what flattening it on every call costs)")
     step.add_argument("--profile", metavar="DIR",
                       help="step, tier and users modes: trace a few steps of each row into DIR (users: a second "
-                      "run of 32 tokens per user; Perfetto, read with python -m strata_jax.bench.profile; default: "
-                      "no trace)")
+                      "run of 32 tokens per user, refused with streamed experts on a GPU, where it crashed; Perfetto, "
+                      "read with python -m strata_jax.bench.profile; default: no trace)")
     step.add_argument("--dump-hlo", metavar="DIR", help="step and tier modes: write each compiled step's HLO text into "
                       "DIR (default: not written)")
     step.add_argument("--hyper-prefold", action="store_true",
@@ -527,6 +527,12 @@ def settle_planes(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if (args.mode == "users" and args.profile and args.host_path == "stream" and args.vram_budget_mib is not None
+            and command_buffers.installed_backend() == "gpu"):
+        # Both command-buffer modes ran without --profile and crashed (rc 139, no traceback) with it (H200, jax
+        # 0.11.2, 2026-12-04; docs/PERF.md).
+        p.error("--profile with --host-path stream and --vram-budget-mib: the process segfaulted under the profiler on "
+                "the H200 (jax 0.11.2); run without --profile, or profile the all-resident engine")
     host_tier = args.mode in ("tier", "host") or args.vram_budget_mib is not None or args.gpu_experts is not None
     try:  # before anything starts JAX's backend
         print(command_buffers.configure(args.command_buffers, command_buffers.installed_backend(), host_tier),

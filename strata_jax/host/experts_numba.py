@@ -47,27 +47,43 @@ DENSE_MIN_TOKENS = 16
 _MAX_BLOCK = 256
 _MIN_BLOCK = 32
 _ITEMS_PER_THREAD = 4
-# numba's workqueue threading layer aborts on concurrent calls from two threads, and one call already uses every
-# thread; the lock also makes the first call's compilation happen once.
+# numba's workqueue threading layer (the fallback where libgomp is missing) aborts on concurrent calls from two
+# threads, and one call already uses every thread; the lock also makes the first call's compilation happen once.
 _CALL_LOCK = threading.Lock()
+# The threading layers tried in order when NUMBA_THREADING_LAYER is not set (numba wants all three named; its own
+# order starts with TBB, which was never measured here, and the workqueue always loads, so TBB is never reached).
+THREADING_LAYERS = ("omp", "workqueue", "tbb")
 
 
 @functools.cache
 def _numba():
     """The numba module, or None when it is not installed or does not import (e.g. a numpy it does not support).
 
-    Picks numba's own "workqueue" threading layer unless NUMBA_THREADING_LAYER says otherwise: OpenMP (numba's
-    choice where libgomp exists) spin-waits at every barrier, and on cores shared with anything else (the engine
-    thread, XLA's threads, other processes) one layer call with 2 threads took 170-200 ms of wall and 77 ms of CPU
-    time against 2.5 ms on one thread; the workqueue sleeps instead (3.7 ms, 3.7 ms of CPU; 2 loaded cores,
-    2026-12-02). Its one limit, no concurrent calls from two threads, `_CALL_LOCK` already keeps."""
+    Prefers numba's OpenMP threading layer, then its own "workqueue" one, unless NUMBA_THREADING_LAYER says
+    otherwise. Measured with `bench --mode host --preset flash-next-125b --host-kernel numba` (docs/PERF.md, "The numba
+    host kernel"): on the H200's 16-core host (15 threads) a layer of 3 / 40 pairs took 0.47 / 4.09 ms with OpenMP
+    against 1.86 / 7.78 with the workqueue (2026-12-04 17:20); on 2 cores 0.58 / 6.93 against 2.49 / 8.52 quiet, and
+    0.62 / 18.01 against 1.26 / 14.88 beside two busy loops (2026-12-04 17:30): the workqueue wakes its threads for
+    each of the six parallel loops, OpenMP's threads spin briefly first (libgomp's default wait policy)."""
     try:
         import numba
     except Exception:  # ImportError, or numba's own check of the numpy version
         return None
     if "NUMBA_THREADING_LAYER" not in os.environ:
-        numba.config.THREADING_LAYER = "workqueue"
+        numba.config.THREADING_LAYER_PRIORITY = list(THREADING_LAYERS)
+        numba.config.THREADING_LAYER = "default"
     return numba
+
+
+def threading_layer() -> str | None:
+    """The threading layer numba's parallel calls run on in this process (after the first one), else None."""
+    nb = _numba()
+    if nb is None:
+        return None
+    try:
+        return nb.threading_layer()
+    except ValueError:  # no parallel call yet
+        return None
 
 
 def numba_available() -> bool:

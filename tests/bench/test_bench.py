@@ -394,3 +394,16 @@ def test_host_events_add_up_per_name_off_the_device(capsys, tmp_path):
     assert profile_main([str(path), "--host", "--top", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2] == "| Execute | 1.0 | 800 | 800.0 |" and len(lines) == 4
+
+
+def test_users_refuses_profiling_a_streamed_engine_on_a_gpu(monkeypatch, capsys):
+    """The one combination that crashed the process (H200, 2026-12-04) is refused with a reason before anything
+    starts; on the CPU backend it stays allowed."""
+    from strata_jax.engine import command_buffers
+
+    args = ["--mode", "users", "--preset", "tiny", "--users", "1", "--profile", "/nonexistent/trace",
+            "--host-path", "stream", "--vram-budget-mib", "24576"]
+    monkeypatch.setattr(command_buffers, "installed_backend", lambda environ=None: "gpu")
+    with pytest.raises(SystemExit):
+        main(args)
+    assert "segfaulted under the profiler" in capsys.readouterr().err

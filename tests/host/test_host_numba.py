@@ -137,3 +137,39 @@ def test_model_with_a_numba_host_tier_matches_all_resident():
     tol = 1e-4 if jax.default_backend() == "cpu" else 1e-2
     assert np.abs(a - b).max() <= tol * np.abs(a).max()
     assert split.generate(PROMPT, 8, stop_at_eos=False) == resident.generate(PROMPT, 8, stop_at_eos=False)
+
+
+def test_parallel_calls_run_on_openmp_where_libgomp_loads():
+    """Without NUMBA_THREADING_LAYER the kernel's parallel calls pick OpenMP (2-4x faster per layer than numba's
+    workqueue, docs/PERF.md) where numba's OpenMP pool loads, else the workqueue; the environment variable still
+    decides when set. Fresh processes: a threading layer is fixed by a process's first parallel call."""
+    import os
+    import subprocess
+    import sys
+
+    body = ("import numpy as np\n"
+            "from test_host_numba import _numba_stack\n"
+            "from test_host_experts import reference_case\n"
+            "from strata_jax.host.experts_numba import host_experts_numba, threading_layer\n"
+            "(gb, gs, db, ds), x, ids, w, mask, ref = reference_case(*REF[:7])\n"
+            "got = host_experts_numba(_numba_stack(gb, gs, db, ds, REF[4]), x, ids, w, mask, threads=2)\n"
+            "assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())\n"
+            "print(threading_layer())\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))])
+
+    def layer(**env_extra) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"} | env_extra
+        env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+        code = f"REF = {REFERENCE_CASES[0]!r}\n" + body
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    try:
+        import numba.np.ufunc.omppool  # noqa: F401
+        expected = "omp"
+    except ImportError:
+        expected = "workqueue"
+    assert layer() == expected
+    assert layer(NUMBA_THREADING_LAYER="workqueue") == "workqueue"
