@@ -527,12 +527,13 @@ def settle_planes(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if (args.mode == "users" and args.profile and args.host_path == "stream" and args.vram_budget_mib is not None
+    if (args.mode == "users" and args.profile and args.host_path == "stream"
+            and (args.vram_budget_mib is not None or args.gpu_experts is not None)
             and command_buffers.installed_backend() == "gpu"):
         # Both command-buffer modes ran without --profile and crashed (rc 139, no traceback) with it (H200, jax
         # 0.11.2, 2026-12-04; docs/PERF.md).
-        p.error("--profile with --host-path stream and --vram-budget-mib: the process segfaulted under the profiler on "
-                "the H200 (jax 0.11.2); run without --profile, or profile the all-resident engine")
+        p.error("--profile with --host-path stream and experts outside the pool: the process segfaulted under the "
+                "profiler on the H200 (jax 0.11.2); run without --profile, or profile the all-resident engine")
     host_tier = args.mode in ("tier", "host") or args.vram_budget_mib is not None or args.gpu_experts is not None
     try:  # before anything starts JAX's backend
         print(command_buffers.configure(args.command_buffers, command_buffers.installed_backend(), host_tier),

@@ -268,6 +268,10 @@ def run_users(args) -> list[dict]:
                 # a wait near 0 means the host is the bottleneck (the device idles between steps).
                 "launch_ms_per_step": _per_step(stats, "decode_launch_seconds_total"),
                 "read_back_ms_per_step": _per_step(stats, "decode_read_back_seconds_total"),
+                # Of the launching: the hot-expert placement's rounds (counters read, experts promoted), which run
+                # after a step is launched, per decode step (None without experts outside the pool).
+                "placement_ms_per_step": (_per_step(stats, "expert_placement_seconds_total", "decode_steps_total")
+                                          if stats.get("expert_placement_rounds_total") is not None else None),
                 # Steps run in step with the host (verify windows; decode with PLE, speculation or grammar): the
                 # runner call (launch, device, read back) and the engine thread's whole step (drafting, inputs,
                 # acceptance and output too), ms per step; the rest of the engine loop is neither.
@@ -299,6 +303,8 @@ def _host_note(row: dict) -> str:
     if row["launch_ms_per_step"] is not None:
         note += (f"; per overlapped step {row['launch_ms_per_step']:.2f} ms launching, "
                  f"{row['read_back_ms_per_step']:.2f} ms waiting for the step before")
+    if row.get("placement_ms_per_step") is not None:
+        note += f" (expert placement {row['placement_ms_per_step']:.2f} ms per step)"
     if row.get("in_step_ms_per_step") is not None:
         note += (f"; {row['in_step_steps']} steps in step with the host: {row['in_step_call_ms_per_step']:.2f} ms "
                  f"in the call, {row['in_step_ms_per_step']:.2f} ms in all")

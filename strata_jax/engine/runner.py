@@ -221,7 +221,7 @@ class ModelRunner:
         values = np.asarray(values, dtype)
         last = self._uploads.get(name)
         if last is None or last[0].shape != values.shape or not np.array_equal(last[0], values):
-            last = self._uploads[name] = (values.copy(), jnp.asarray(values))
+            last = self._uploads[name] = (values.copy(), jax.device_put(values))  # no staging compile
         return last[1]
 
     def _extras(self, shape: tuple[int, ...], mask: np.ndarray | None, logprobs: np.ndarray | None) -> dict:

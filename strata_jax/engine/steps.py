@@ -333,21 +333,30 @@ def greedy_sampling(slots: int) -> Sampling:
     return (z, z, z + 1, z)
 
 
+def _on_device(x, dtype) -> jax.Array:
+    """`x` as a device array of `dtype`. A host array is converted on the host and put on the device: `jnp.asarray`
+    of a numpy array compiles a small staging function at each new shape and dtype, on the engine thread at a
+    shape's first step (~20-30 ms each on the CPU)."""
+    if isinstance(x, jax.Array):
+        return x if x.dtype == dtype else x.astype(dtype)
+    return jax.device_put(np.asarray(x, dtype))
+
+
 def _rows(rows: Sequence[np.ndarray], dtype) -> tuple[jax.Array, ...]:
-    return tuple(jnp.asarray(r, dtype) for r in rows)
+    return tuple(_on_device(r, dtype) for r in rows)
 
 
 def _sampling(sampling: Sampling) -> tuple[jax.Array, ...]:
     temperature, top_k, top_p, seed = sampling
-    return (jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
-            jnp.asarray(seed, jnp.uint32))
+    return (_on_device(temperature, jnp.float32), _on_device(top_k, jnp.int32), _on_device(top_p, jnp.float32),
+            _on_device(seed, jnp.uint32))
 
 
 def _extras(mask, logprobs) -> tuple:
     """The optional (mask, logprobs) inputs: both or neither (a host array or one already on the device)."""
     if mask is None and logprobs is None:
         return ()
-    return (jnp.asarray(mask, jnp.int32), jnp.asarray(logprobs, bool))
+    return (_on_device(mask, jnp.int32), _on_device(logprobs, bool))
 
 
 def prefill_args(slots, tokens, n_valid, next_token, sampling: Sampling, rows=(), row_dtype=jnp.float32, mask=None,
@@ -355,8 +364,8 @@ def prefill_args(slots, tokens, n_valid, next_token, sampling: Sampling, rows=()
     """`prefill_step`'s inputs after the cache: chunks tokens [P, C] of slots [P], their real lengths and following
     tokens [P], per-row sampling arrays [P], PLE rows (one array [P, C, D] per PLE layer); optionally token masks
     [P, W] and log-probability requests [P] (both or neither)."""
-    return (jnp.asarray(slots, jnp.int32), jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32),
-            jnp.asarray(next_token, jnp.int32), _rows(rows, row_dtype), *_sampling(sampling),
+    return (_on_device(slots, jnp.int32), _on_device(tokens, jnp.int32), _on_device(n_valid, jnp.int32),
+            _on_device(next_token, jnp.int32), _rows(rows, row_dtype), *_sampling(sampling),
             *_extras(mask, logprobs))
 
 
@@ -365,7 +374,7 @@ def decode_args(tokens, active, sampling: Sampling, rows=(), row_dtype=jnp.float
     """`decode_step`'s inputs after the cache: tokens [S] (host or device array), active [S] bool, per-slot
     sampling arrays [S], PLE rows (one array [S, 1, D] per PLE layer); optionally token masks [S, W] and
     log-probability requests [S] (both or neither)."""
-    return (jnp.asarray(tokens, jnp.int32), jnp.asarray(active, bool), _rows(rows, row_dtype), *_sampling(sampling),
+    return (_on_device(tokens, jnp.int32), _on_device(active, bool), _rows(rows, row_dtype), *_sampling(sampling),
             *_extras(mask, logprobs))
 
 
@@ -374,5 +383,5 @@ def verify_args(tokens, n_valid, sampling: Sampling, rows=(), row_dtype=jnp.floa
     """`verify_step`'s inputs after the cache: windows tokens [S, k+1], n_valid [S], per-slot sampling arrays [S],
     PLE rows (one array [S, k+1, D] per PLE layer); optionally token masks [S, k+1, W] and log-probability requests
     [S] (both or neither)."""
-    return (jnp.asarray(tokens, jnp.int32), jnp.asarray(n_valid, jnp.int32), _rows(rows, row_dtype),
+    return (_on_device(tokens, jnp.int32), _on_device(n_valid, jnp.int32), _rows(rows, row_dtype),
             *_sampling(sampling), *_extras(mask, logprobs))

@@ -134,20 +134,22 @@ def test_users_mode_runs(tmp_path):
 def test_users_mode_streams_experts_beyond_the_pool(tmp_path):
     """`--gpu-experts 4 --host-path stream`: the engine serves three quarters of the experts from host memory,
     copied into each step, with the greedy tokens of the same split computed on the host CPU (`compute`), counters
-    donated or not; the rows report the host's time per overlapped step, and `--profile` traces a second run."""
+    donated or not; the rows report the host's time per overlapped step and, of it, the placement rounds' (40
+    tokens: one round at the engine's 32nd decode step), and `--profile` traces a second run."""
     rows = {}
     prof = tmp_path / "prof"
     for path, extra in (("compute", ["--profile", str(prof)]), ("stream", []), ("stream", ["--no-donate-counts"])):
         out = tmp_path / "users.json"
         assert main(["--mode", "users", "--preset", "tiny", "--dtype", "float32", "--users", "1", "--prompt-tokens",
-                     "16", "--gen-tokens", "8", "--draft", "none", "--bandwidth-gib", "0.01", "--json", str(out),
+                     "16", "--gen-tokens", "40", "--draft", "none", "--bandwidth-gib", "0.01", "--json", str(out),
                      "--gpu-experts", "4", "--host-path", path, *extra]) == 0
         rows[(path, *extra)] = json.loads(out.read_text())["rows"][0]
     assert list(prof.glob("users1_none/**/perfetto_trace.json.gz"))  # `--profile`: a second run, traced
     outputs = [r["outputs"] for r in rows.values()]
-    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0][0]) == 8
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0][0]) == 40
     assert all(0.0 < r["gpu_hit_rate"] < 1.0 and r["overlapped_steps"] > 0 and r["launch_ms_per_step"] > 0
                and r["read_back_ms_per_step"] >= 0 for r in rows.values())
+    assert all(0.0 < r["placement_ms_per_step"] < r["launch_ms_per_step"] for r in rows.values())
     with pytest.raises(ValueError, match="users mode takes one"):
         main(["--mode", "users", "--preset", "tiny", "--users", "1", "--gpu-experts", "4",
               "--host-path", "stream,compute"])
@@ -406,4 +408,7 @@ def test_users_refuses_profiling_a_streamed_engine_on_a_gpu(monkeypatch, capsys)
     monkeypatch.setattr(command_buffers, "installed_backend", lambda environ=None: "gpu")
     with pytest.raises(SystemExit):
         main(args)
-    assert "segfaulted under the profiler" in capsys.readouterr().err
+    assert "segfaulted under the" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a pool given by size, not by budget: the same
+        main(args[:-2] + ["--gpu-experts", "4"])
+    assert "segfaulted under the" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from flax import nnx
 import strata_jax
 from pallas_kernels import PackedExperts
 from pallas_kernels.onebit_reference import moe_experts_1bit_reference
-from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
+from strata_jax.engine.placement import ExpertPlacement, PlacementConfig, _write_pool_streamed
 from strata_jax.model import expert_stream
 from strata_jax.model.config import ExpertQuantization, load_config
 from strata_jax.model.expert_stream import RowLayout, stream_copy_slots
@@ -151,10 +151,12 @@ def test_padding_rows_stage_nothing(experts):
 
 
 def test_placement_promotes_streamed_experts(experts):
-    """Counts from streamed calls move the hot experts into the pool by a copy from host memory; outputs stay."""
+    """Counts from streamed calls move the hot experts into the pool by a copy from host memory; outputs stay, and
+    the pool update warm-up compiled serves the round (a compile there stalled every slot: 0.33 s on the CPU)."""
     module, graphdef, state, run = _module(experts, 8)
     placement = ExpertPlacement(state, graphdef, PlacementConfig(every=0, max_swaps=4))
     placement.warm_up()
+    pool_updates = _write_pool_streamed._cache_size()
     x, ids, w, valid = _inputs(4, seed=11)
     ids = jnp.asarray([[20, 21, 22, 0]] * 4, jnp.int32)  # 20-22 are hot, outside the initial pool
     for _ in range(3):
@@ -162,6 +164,7 @@ def test_placement_promotes_streamed_experts(experts):
         placement.store_counts(counts)
     compiled = run._cache_size()
     assert placement.round() == 3
+    assert _write_pool_streamed._cache_size() == pool_updates
     layer = placement.layers[0]
     assert all(layer.slot_of[e] >= 0 for e in (20, 21, 22))
     for name, (kind, part) in zip(expert_stream.PARTS, [(k, j) for k in experts for j in range(2)]):
