@@ -7,6 +7,7 @@ the counters leaves zeroed ones, and the next request runs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import jax
@@ -137,3 +138,40 @@ def test_a_failed_step_that_consumed_the_counters_leaves_zeroed_ones(model):
         assert _generate(engine, PROMPTS[:1]) == first
     finally:
         engine.shutdown()
+
+
+class _Compiles(logging.Handler):
+    """Collects the names of the functions JAX compiles (from its compile log), on any thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Compiling "):
+            self.names.append(message.split(" with ")[0][len("Compiling "):])
+
+
+def test_serving_after_warm_up_compiles_nothing():
+    """What a streamed host tier runs while serving (the steps, placement rounds that promote experts, the counters'
+    reads and resets) was compiled at warm-up: a compile on the engine thread stalls every slot (the first placement
+    round once compiled its pool update there, ~0.4 s on the CPU, inside every measured run). The caches are cleared
+    first, so that an earlier test's compiles cannot hide one."""
+    jax.clear_caches()
+    fresh = strata_jax.load_model(CKPT, quantize="1bit", group=64, gpu_experts=3, host_path="stream")
+    engine = _engine(fresh, every=4)
+    compiles = _Compiles()
+    log = logging.getLogger("jax")
+    was = jax.config.jax_log_compiles
+    log.addHandler(compiles)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        _generate(engine, PROMPTS)
+        promoted = engine.placement.stats()["expert_promotions_total"]
+    finally:
+        jax.config.update("jax_log_compiles", was)
+        log.removeHandler(compiles)
+        engine.shutdown()
+    assert promoted > 0  # rounds moved experts: the pool update ran while serving
+    assert compiles.names == []
