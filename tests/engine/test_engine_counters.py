@@ -153,13 +153,14 @@ class _Compiles(logging.Handler):
             self.names.append(message.split(" with ")[0][len("Compiling "):])
 
 
-def test_serving_after_warm_up_compiles_nothing():
-    """What a streamed host tier runs while serving (the steps, placement rounds that promote experts, the counters'
+@pytest.mark.parametrize("host_path", ["stream", "compute"])
+def test_serving_after_warm_up_compiles_nothing(host_path):
+    """What a host tier runs while serving (the steps, placement rounds that promote experts, the counters'
     reads and resets) was compiled at warm-up: a compile on the engine thread stalls every slot (the first placement
     round once compiled its pool update there, ~0.4 s on the CPU, inside every measured run). The caches are cleared
     first, so that an earlier test's compiles cannot hide one."""
     jax.clear_caches()
-    fresh = strata_jax.load_model(CKPT, quantize="1bit", group=64, gpu_experts=3, host_path="stream")
+    fresh = strata_jax.load_model(CKPT, quantize="1bit", group=64, gpu_experts=3, host_path=host_path)
     engine = _engine(fresh, every=4)
     compiles = _Compiles()
     log = logging.getLogger("jax")
