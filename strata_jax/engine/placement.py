@@ -142,7 +142,9 @@ class ExpertPlacement:
         experts. Returns the number of experts moved."""
         started = time.perf_counter()
         with self.lock:  # stats() adds the pending counts: take them and fold them into the totals atomically
-            counts = [np.asarray(layer.leaves["counts"].get_value()) for layer in self.layers]
+            # One transfer for all layers (a read per layer waited on the device once each).
+            counts = [np.asarray(c) for c in jax.device_get([layer.leaves["counts"].get_value()
+                                                             for layer in self.layers])]
             for layer, c in zip(self.layers, counts):
                 layer.leaves["counts"].set_value(jnp.zeros_like(layer.leaves["counts"].get_value()))
                 self._pairs += int(c.sum())
@@ -201,13 +203,13 @@ class ExpertPlacement:
     def _pending_streamed(self, clear: bool) -> np.ndarray:
         """The streaming layers' counters since the last round, summed (a small device read), optionally cleared.
         Call with the lock held."""
+        variables = [layer.leaves["streamed"] for layer in self.layers if layer.module.streaming]
         total = np.zeros(3, np.int64)
-        for layer in self.layers:
-            if layer.module.streaming:
-                var = layer.leaves["streamed"]
-                total += np.asarray(var.get_value(), np.int64)
-                if clear:
-                    var.set_value(jnp.zeros_like(var.get_value()))
+        for value in jax.device_get([var.get_value() for var in variables]):
+            total += np.asarray(value, np.int64)
+        if clear:
+            for var in variables:
+                var.set_value(jnp.zeros_like(var.get_value()))
         return total
 
     def warm_up(self) -> None:
@@ -225,8 +227,9 @@ class ExpertPlacement:
         with self.lock:
             # Plus the counts since the last round (the expert map has not changed since): a small device read.
             pairs, hits = self._pairs, self._hits
-            for layer in self.layers:
-                c = np.asarray(layer.leaves["counts"].get_value())
+            pending = jax.device_get([layer.leaves["counts"].get_value() for layer in self.layers])
+            for layer, c in zip(self.layers, pending):
+                c = np.asarray(c)
                 pairs += int(c.sum())
                 hits += int(c[layer.slot_of >= 0].sum())
             staged, rows, rounds = (int(v) for v in self._streamed + self._pending_streamed(clear=False))
