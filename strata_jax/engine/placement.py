@@ -142,9 +142,7 @@ class ExpertPlacement:
         experts. Returns the number of experts moved."""
         started = time.perf_counter()
         with self.lock:  # stats() adds the pending counts: take them and fold them into the totals atomically
-            # One transfer for all layers (a read per layer waited on the device once each).
-            counts = [np.asarray(c) for c in jax.device_get([layer.leaves["counts"].get_value()
-                                                             for layer in self.layers])]
+            counts = self._pending_counts()
             for layer, c in zip(self.layers, counts):
                 layer.leaves["counts"].set_value(jnp.zeros_like(layer.leaves["counts"].get_value()))
                 self._pairs += int(c.sum())
@@ -200,6 +198,11 @@ class ExpertPlacement:
         layer.leaves["slot_of"].set_value(jnp.asarray(layer.slot_of))
         self.writes += 1
 
+    def _pending_counts(self) -> list[np.ndarray]:
+        """Every layer's routing counts since the last round, in one transfer (a read per layer waited on the
+        device once each)."""
+        return [np.asarray(c) for c in jax.device_get([layer.leaves["counts"].get_value() for layer in self.layers])]
+
     def _pending_streamed(self, clear: bool) -> np.ndarray:
         """The streaming layers' counters since the last round, summed (a small device read), optionally cleared.
         Call with the lock held."""
@@ -227,9 +230,7 @@ class ExpertPlacement:
         with self.lock:
             # Plus the counts since the last round (the expert map has not changed since): a small device read.
             pairs, hits = self._pairs, self._hits
-            pending = jax.device_get([layer.leaves["counts"].get_value() for layer in self.layers])
-            for layer, c in zip(self.layers, pending):
-                c = np.asarray(c)
+            for layer, c in zip(self.layers, self._pending_counts()):
                 pairs += int(c.sum())
                 hits += int(c[layer.slot_of >= 0].sum())
             staged, rows, rounds = (int(v) for v in self._streamed + self._pending_streamed(clear=False))
