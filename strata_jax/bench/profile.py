@@ -16,7 +16,8 @@ per output shape and op, to see which projection runs how far from its bytes.
 
 With `--host`, the host's side instead: every event off the device, per name (XLA's `command_buffer::update` when a
 CUDA graph is updated before its launch, `cuGraphLaunch`, the executable's `Execute`, ...), with its calls and time
-per step and per call. Nested events each count in full (an update inside an `Execute` counts in both).
+per step and per call. Nested events each count in full (an update inside an `Execute` counts in both). The Python
+tracer's frames (`$file.py:line function`) come only with `--python`.
 """
 
 from __future__ import annotations
@@ -132,15 +133,17 @@ def occupancy(trace: dict, steps: int) -> dict:
                 busy_us=sum(float(e.get("dur", 0.0)) for e in events) / steps, span_us=(end - start) / steps)
 
 
-def host_rows(trace: dict, steps: int) -> list[tuple[str, float, float, float]]:
+def host_rows(trace: dict, steps: int, python: bool = False) -> list[tuple[str, float, float, float]]:
     """(event name, calls per step, microseconds per step, microseconds per call) of the timed events off the
-    device (on a trace without a device: those that name no HLO instruction), largest time first."""
+    device (on a trace without a device: those that name no HLO instruction), largest time first. The profiler's
+    Python frames (`$file.py:line function`) are left out unless `python`: they nest around everything and would
+    crowd XLA's and CUDA's events out of any top-N."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     on_device = {id(e) for e in kernel_events(trace)}
     calls: dict[str, int] = defaultdict(int)
     micros: dict[str, float] = defaultdict(float)
     for e in events:
-        if e.get("ph") == "X" and id(e) not in on_device:
+        if e.get("ph") == "X" and id(e) not in on_device and (python or not str(e.get("name", "")).startswith("$")):
             calls[e["name"]] += 1
             micros[e["name"]] += float(e.get("dur", 0.0))
     rows = [(name, calls[name] / steps, micros[name] / steps, micros[name] / calls[name]) for name in calls]
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", action="store_true", help="the host's events instead (graph updates, launches, ...), "
                    "per name")
     p.add_argument("--top", type=int, default=25, help="with --host: the names with the most time (default 25)")
+    p.add_argument("--python", action="store_true", help="with --host: the Python frames too (`$file.py:line "
+                   "function`; left out by default, they would fill the top rows)")
     args = p.parse_args(argv)
     if args.gemms and not args.hlo:
         p.error("--gemms needs the step's HLO text")
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.host:
         print("| host event | calls per step | us per step | us per call |")
         print("| --- | --- | --- | --- |")
-        for name, n, us, per_call in host_rows(trace, args.steps)[:args.top]:
+        for name, n, us, per_call in host_rows(trace, args.steps, args.python)[:args.top]:
             print(f"| {name[:80]} | {n:.1f} | {us:.0f} | {per_call:.1f} |")
         return 0
     hlo_text = None

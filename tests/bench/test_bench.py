@@ -381,10 +381,12 @@ def test_host_events_add_up_per_name_off_the_device(capsys, tmp_path):
         {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
         event(1, "Execute", 900.0), event(1, "command_buffer::update", 300.0), event(1, "cuGraphLaunch", 50.0),
-        event(1, "Execute", 700.0), event(1, "cuGraphLaunch", 30.0),
+        event(1, "Execute", 700.0), event(1, "cuGraphLaunch", 30.0), event(1, "$runner.py:191 _run", 5000.0),
         event(7, "fusion_1", 400.0, hlo_op="command_buffer_1"), event(7, "fusion_1", 400.0, hlo_op="command_buffer_1")]}
     assert host_rows(trace, steps=2) == [("Execute", 1.0, 800.0, 800.0), ("command_buffer::update", 0.5, 150.0, 300.0),
                                          ("cuGraphLaunch", 1.0, 40.0, 40.0)]
+    # The Python tracer's frames nest around everything: only asked for, else they fill the top rows.
+    assert host_rows(trace, steps=2, python=True)[0] == ("$runner.py:191 _run", 0.5, 2500.0, 5000.0)
     # On a CPU trace (no device process) the kernels are the events naming an HLO instruction.
     cpu = {"traceEvents": [event(1, "Execute", 10.0), event(1, "fusion.3", 4.0, hlo_op="fusion.3")]}
     assert host_rows(cpu, steps=1) == [("Execute", 1.0, 10.0, 10.0)]
