@@ -91,10 +91,12 @@ from strata_jax.bench.step_inputs import STEP_EXTRAS, StepInputs, mtp_bytes, mtp
 
 
 def _time_step(fn, state, cache, ins, steps: int, next_ins=None,
-               chain: bool = False) -> tuple[float, float, float | None, object]:
+               chain: bool = False) -> tuple[float, float, float | None, float, object]:
     """(device ms per call over `steps` back-to-back calls, median ms per call when the host reads the first
     output every call as the engine does, ms per call back to back with each call's first output as the next one's
-    first input (`chain`: decode's tokens, as the engine's overlapped steps run; else None), the advanced cache).
+    first input (`chain`: decode's tokens, as the engine's overlapped steps run; else None), median ms of the host
+    loop's calls until the call returned (the launch: on a GPU the CUDA graphs' submission, which a call in step
+    with the host pays before the device starts), the advanced cache).
     `next_ins(first output)`: the next call's inputs, built from what the host read (PLE rows gathered for those
     tokens) inside the host loop's time."""
 
@@ -111,10 +113,11 @@ def _time_step(fn, state, cache, ins, steps: int, next_ins=None,
         cache = cache_of(out)
     jax.block_until_ready(cache)
     device_ms = (time.perf_counter() - t0) / steps * 1e3
-    loop = []
+    loop, launch = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         out = fn(state, cache, *ins)
+        launch.append(time.perf_counter() - t0)
         cache = cache_of(out)
         tokens = np.asarray(out[0])  # the engine needs the tokens on the host every step
         if next_ins is not None:
@@ -130,7 +133,7 @@ def _time_step(fn, state, cache, ins, steps: int, next_ins=None,
             chained = (out[0], *chained[1:])
         jax.block_until_ready(cache)
         chained_ms = (time.perf_counter() - t0) / steps * 1e3
-    return device_ms, statistics.median(loop) * 1e3, chained_ms, cache
+    return device_ms, statistics.median(loop) * 1e3, chained_ms, statistics.median(launch) * 1e3, cache
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -207,8 +210,8 @@ def run_step_bench(args) -> list[dict]:
         cache = random_cache(cfg, s, args.ctx, args.fill, *_cache_dtypes(kv), with_mtp=bool(mtp_k))
         feed = inputs(kind, s, tables, extras)  # with PLE, the host loop gathers each step's rows from the table
         next_ins = feed.build if feed.ple is not None and kind != "mtp" else None
-        device_ms, loop_ms, chained_ms, cache = _time_step(fn, weights, cache, feed.first(), args.steps, next_ins,
-                                                           chain=kind == "decode" and feed.ple is None)
+        device_ms, loop_ms, chained_ms, launch_ms_host, cache = _time_step(
+            fn, weights, cache, feed.first(), args.steps, next_ins, chain=kind == "decode" and feed.ple is None)
         if args.profile:  # a few more steps under the profiler, as a Perfetto trace (kernel names = HLO fusions)
             ins = feed.first()
             with jax.profiler.trace(os.path.join(args.profile, f"{kind}_{s}"), create_perfetto_trace=True):
@@ -228,7 +231,7 @@ def run_step_bench(args) -> list[dict]:
         floor_ms = max(mem_ms, launch_ms)
         row = {
             "kind": kind, "slots": s, "cache_dtype": kv or "bfloat16", "extras": extras, "tokens_per_slot": per_slot,
-            "device_ms": device_ms, "loop_ms": loop_ms, "chained_ms": chained_ms,
+            "device_ms": device_ms, "loop_ms": loop_ms, "chained_ms": chained_ms, "launch_ms": launch_ms_host,
             "tok_s": s / loop_ms * 1e3, "bytes_gb": total / 1e9, "bytes": parts, "mem_floor_ms": mem_ms,
             "kernels": kernels, "kernels_by_op": ops, "launch_floor_ms": launch_ms, "floor_ms": floor_ms,
             "fraction_of_floor": floor_ms / device_ms, "compile_s": compile_s,
@@ -252,7 +255,8 @@ def run_step_bench(args) -> list[dict]:
         ple_note = f", PLE gather {row['ple_host_ms']:.2f} ms on the host" if row["ple_host_ms"] is not None else ""
         chained_note = f", {chained_ms:.2f} ms chained on its own tokens" if chained_ms is not None else ""
         print(f"{kind}[{s}]{_kv_label(kv)}{_extras_label(extras)}: {device_ms:.2f} ms/call device, "
-              f"{loop_ms:.2f} ms with host sync{chained_note}, {kernels} kernels{ple_note}", flush=True)
+              f"{loop_ms:.2f} ms with host sync{chained_note}, {launch_ms_host:.2f} ms to launch, {kernels} kernels"
+              f"{ple_note}", flush=True)
         if args.json:
             _write_json(args.json, [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows])
     return [{"bandwidth_tb_s": bw / 1e12, **r} for r in rows]

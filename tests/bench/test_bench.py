@@ -17,6 +17,8 @@ def test_step_mode_runs(tmp_path):
     assert verify["kind"] == "verify" and verify["tokens_per_slot"] == 4
     # Decode is also timed chained on its own tokens (the engine's overlapped form); verify is not.
     assert decode["chained_ms"] > 0 and verify["chained_ms"] is None
+    # The host loop's launch (until the call returns) is part of its synced call.
+    assert all(0 < r["launch_ms"] <= r["loop_ms"] for r in (decode, verify))
     # A 4-token window routes to more experts than one token: the floor must count them.
     assert verify["bytes"]["experts"] > decode["bytes"]["experts"]
     assert verify["verify_over_decode"] > 0
