@@ -1,12 +1,13 @@
 """A benchmark-only drafter of chosen acceptance (`--draft oracle:P`, users mode; not selectable in `serve`).
 
 A first greedy run of the same engine records each request's answer (`record`: the same compiled steps, so that the
-replay meets the same numbers); the replay proposes the recorded next tokens, each replaced by a
-wrong token with probability 1 - P (seeded per request and position, so the same request gets the same drafts
-whatever the scheduling). The target's real verify, acceptance and rollback then run at a chosen acceptance: a draft
-is accepted with probability P given the drafts before it were, as a real drafter's would be at that rate. Every row
-that uses it is labelled "oracle P=..": its speed says what a drafter of that acceptance would give, not what any
-real drafter gives.
+replay meets the same numbers); the replay proposes the recorded next tokens, each replaced by a wrong token with
+probability 1 - P (a hash of the seed, the request's record and the position decides, so the same request gets the
+same drafts whatever the scheduling, and on the host and the device alike: the oracle also guesses on the device,
+where chained verify windows take their drafts, `drafters.DeviceDrafter`). The target's real verify, acceptance and
+rollback then run at a chosen acceptance: a draft is accepted with probability P given the drafts before it were, as
+a real drafter's would be at that rate. Every row that uses it is labelled "oracle P=..": its speed says what a
+drafter of that acceptance would give, not what any real drafter gives.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.engine.drafters import DraftRequest
@@ -35,6 +38,29 @@ def parse_oracle(spec: str) -> float | None:
     return p
 
 
+def _mix(x):
+    """A 32-bit integer hash (lowbias32), the same on numpy and jax.numpy uint32 arrays."""
+    x = x ^ (x >> 16)
+    x = x * x.dtype.type(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * x.dtype.type(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def planted(xp, seed, key, positions, truth, acceptance, vocab_size: int):
+    """The oracle's drafts for history `positions` whose recorded tokens are `truth`: each one replaced by another
+    token where a hash of (seed, key, position) falls at or above `acceptance`. `xp`: numpy or jax.numpy (the same
+    drafts either way). Returns (drafts, wrong) as int32 and bool arrays."""
+    u32 = xp.uint32
+    at = xp.asarray(positions).astype(u32)  # arrays throughout: numpy wraps uint32 arrays silently, not scalars
+    h = _mix(_mix(_mix(xp.zeros_like(at) + xp.asarray(seed).astype(u32)) ^ xp.asarray(key).astype(u32)) ^ at)
+    wrong = (h >> 8).astype(xp.float32) * xp.float32(1.0 / (1 << 24)) >= xp.asarray(acceptance, xp.float32)
+    shift = 1 + _mix(h ^ u32(0x9E3779B9)) % u32(vocab_size - 1)  # a different token: never the recorded one
+    truth = xp.asarray(truth).astype(u32)
+    drafts = xp.where(wrong, (truth + shift) % u32(vocab_size), truth)
+    return drafts.astype(xp.int32), wrong
+
+
 def oracle_label(p: float) -> str:
     """How tables name the oracle's rows."""
     return f"oracle P={p:g}"
@@ -50,7 +76,8 @@ class _Replay:
 
 
 class OracleDrafter:
-    """Replays recorded greedy sequences (prompt + answer) as drafts, each token wrong with probability 1 - P."""
+    """Replays recorded greedy sequences (prompt + answer) as drafts, each token wrong with probability 1 - P; on the
+    host (`propose`) and on the device (`drafters.DeviceDrafter`: each slot's record in a device table)."""
 
     def __init__(self, records: Sequence[Sequence[int]], acceptance: float, vocab_size: int, seed: int = 0):
         if not 0.0 <= acceptance <= 1.0:
@@ -58,6 +85,7 @@ class OracleDrafter:
         if vocab_size < 2:
             raise ValueError("an oracle needs a vocabulary of at least 2 tokens to be wrong in")
         self.acceptance, self.vocab_size, self.seed = acceptance, vocab_size, seed
+        self._table: np.ndarray | None = None  # [slots, max_context] each slot's record (`bind`)
         self.record(records)
 
     def record(self, records: Sequence[Sequence[int]]) -> None:
@@ -70,6 +98,8 @@ class OracleDrafter:
         # rejected a draft, and requests whose output left the record (their drafts stop).
         self.counts = dict.fromkeys(("proposed", "planted", "windows", "accepted", "rejections", "diverged"), 0)
         self.diverged_at: list[int] = []  # history lengths at which outputs left the record
+        if self._table is not None:
+            self.bind(*self._table.shape)
 
     def warm_up(self) -> None:
         """Nothing to compile."""
@@ -97,11 +127,10 @@ class OracleDrafter:
             return []
         record = self.records[replay.record]
         n = len(history)
-        truth = list(record[n : n + r.limit])
-        rng = np.random.default_rng([self.seed, replay.key, n])
-        wrong = rng.random(len(truth)) >= self.acceptance
-        shift = rng.integers(1, self.vocab_size, len(truth))  # a different token: never the recorded one
-        drafts = [(t + int(s)) % self.vocab_size if w else t for t, w, s in zip(truth, wrong, shift)]
+        truth = np.asarray(record[n : n + r.limit], np.int64)
+        drafts, wrong = planted(np, self.seed, replay.key, np.arange(n, n + len(truth)), truth, self.acceptance,
+                                self.vocab_size)
+        drafts = [int(t) for t in drafts]
         replay.consumed, replay.proposal = n, drafts
         self.counts["proposed"] += len(drafts)
         self.counts["planted"] += int(np.sum(wrong))
@@ -141,3 +170,77 @@ class OracleDrafter:
             self.diverged_at.append(replay.consumed + next(
                 (i for i, (a, b) in enumerate(zip(record[replay.consumed:], new)) if a != b), len(new)))
         replay.consumed, replay.proposal = len(history), []
+
+    # -- on the device (`drafters.DeviceDrafter`) ----------------------------------------------------------------
+    def bind(self, slots: int, max_context: int) -> None:
+        """A device table of each slot's record, empty."""
+        self._table = np.zeros((slots, max_context), np.int32)
+        self._keys = np.zeros(slots, np.uint32)
+        self._lengths = np.zeros(slots, np.int32)  # each slot's record length (0: nothing to replay)
+        self._slot_record = [-1] * slots
+        self._device = None  # the table's device copy, made again after a change
+
+    def device_ready(self, slot: int, owner: object, history: Sequence[int]) -> bool:
+        """Puts the record `owner` follows into `slot`'s row (settling the last host proposal first); False when
+        it follows none or left it."""
+        replay = self._replays.get(owner)
+        if replay is None:
+            replay = self._start(owner, history)
+        else:
+            self._observe(replay, history)
+        live = replay is not None and not replay.diverged
+        if live and self._slot_record[slot] != replay.record:
+            record = self.records[replay.record][: self._table.shape[1]]
+            self._table[slot, : len(record)] = record
+            self._keys[slot], self._slot_record[slot] = replay.key, replay.record
+            self._device = None
+        self._set_length(slot, len(self.records[replay.record]) if live else 0)
+        return live
+
+    def device_state(self) -> tuple:
+        """(table, keys, record lengths, seed, P) on the device, uploaded again only after a change."""
+        if self._device is None:
+            self._device = jax.device_put((self._table, self._keys, np.minimum(self._lengths, self._table.shape[1]),
+                                           np.uint32(self.seed), np.float32(self.acceptance)))
+        return self._device
+
+    def device_drafts(self, state: tuple, step_drafts: jax.Array, lengths: jax.Array,
+                      k: int) -> tuple[jax.Array, jax.Array]:
+        """The recorded tokens at positions lengths .. lengths + k - 1, planted as on the host."""
+        table, keys, record_lengths, seed, acceptance = state
+        positions = lengths[:, None] + jnp.arange(k)[None, :]
+        truth = jnp.take_along_axis(table, jnp.clip(positions, 0, table.shape[1] - 1), axis=1)
+        drafts, _ = planted(jnp, seed, keys[:, None], positions, truth, acceptance, self.vocab_size)
+        return drafts, jnp.clip(record_lengths - lengths, 0, k)
+
+    def observe(self, slot: int, owner: object, start: int, emitted: Sequence[int], proposed: int,
+                accepted: int) -> None:
+        """Counts a chained window as the host path counts its windows; a slot whose output left its record
+        drafts nothing from the next window uploaded on."""
+        replay = self._replays.get(owner)
+        if replay is None or replay.diverged:
+            return
+        record = self.records[replay.record]
+        if proposed:
+            truth = np.asarray(record[start : start + proposed], np.int64)
+            _, wrong = planted(np, self.seed, replay.key, np.arange(start, start + len(truth)), truth,
+                               self.acceptance, self.vocab_size)
+            c = self.counts
+            c["proposed"] += proposed
+            c["planted"] += int(np.sum(wrong))
+            c["windows"] += 1
+            c["accepted"] += accepted
+            c["rejections"] += accepted < proposed
+        followed = next((i for i, (a, b) in enumerate(zip(record[start:], emitted)) if a != b),
+                        min(len(emitted), max(len(record) - start, 0)))
+        if followed < len(emitted):
+            replay.diverged = True
+            self.counts["diverged"] += 1
+            self.diverged_at.append(start + followed)
+            self._set_length(slot, 0)
+        replay.consumed, replay.proposal = start + len(emitted), []
+
+    def _set_length(self, slot: int, n: int) -> None:
+        if self._lengths[slot] != n:
+            self._lengths[slot] = n
+            self._device = None

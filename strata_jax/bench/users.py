@@ -210,7 +210,9 @@ def run_users(args) -> list[dict]:
                                   prefill_batch=args.prefill_batch,
                                   draft=draft if builtin else "none", draft_k=args.draft_k,
                                   adaptive_draft=getattr(args, "adaptive_draft", True),
-                                  overlap_steps=not args.no_overlap, cache_dtype=getattr(args, "cache_dtype", None),
+                                  overlap_steps=not args.no_overlap,
+                                  chain_windows=getattr(args, "chain_windows", True),
+                                  cache_dtype=getattr(args, "cache_dtype", None),
                                   donate_counts=getattr(args, "donate_counts", True))
             if oracle_p is not None:  # benchmark only (strata_jax/bench/oracle.py); records in a first pass below
                 drafter = OracleDrafter([], oracle_p, model.config.vocab_size, seed=users)
@@ -226,6 +228,9 @@ def run_users(args) -> list[dict]:
                 before = engine.stats()
                 results, wall = run_all_users(engine, prompts, args.gen_tokens)
                 stats = _counted_since(before, engine.stats())
+                # Launching and read-back times are per step launched ahead of the host: decode steps and windows.
+                stats["ahead_steps_total"] = (stats.get("overlapped_steps_total", 0)
+                                              + stats.get("chained_windows_total", 0))
                 if getattr(args, "profile", None):  # the same prompts again, 32 tokens each, under the profiler
                     trace_dir = os.path.join(args.profile, f"users{users}_{draft.replace(':', '')}")
                     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -264,6 +269,8 @@ def run_users(args) -> list[dict]:
                 # device's): near decode_steps when overlap works.
                 "decode_steps": stats.get("decode_steps_total"),
                 "overlapped_steps": stats.get("overlapped_steps_total"),
+                # Verify windows built and launched on the device from the window before (EngineConfig.chain_windows)
+                "chained_windows": stats.get("chained_windows_total"),
                 # Per overlapped step, the engine thread's time launching it and waiting for the step before it:
                 # a wait near 0 means the host is the bottleneck (the device idles between steps).
                 "launch_ms_per_step": _per_step(stats, "decode_launch_seconds_total"),
@@ -301,7 +308,7 @@ def run_users(args) -> list[dict]:
 def _host_note(row: dict) -> str:
     note = ""
     if row["launch_ms_per_step"] is not None:
-        note += (f"; per overlapped step {row['launch_ms_per_step']:.2f} ms launching, "
+        note += (f"; per overlapped step or chained window {row['launch_ms_per_step']:.2f} ms launching, "
                  f"{row['read_back_ms_per_step']:.2f} ms waiting for the step before")
     if row.get("placement_ms_per_step") is not None:
         note += f" (expert placement {row['placement_ms_per_step']:.2f} ms per step)"
@@ -309,7 +316,8 @@ def _host_note(row: dict) -> str:
         note += (f"; {row['in_step_steps']} steps in step with the host: {row['in_step_call_ms_per_step']:.2f} ms "
                  f"in the call, {row['in_step_ms_per_step']:.2f} ms in all")
     if row.get("accepted_per_verify") is not None:
-        note += f"; {row['verify_steps']} verify steps, {row['accepted_per_verify']:.2f} drafts accepted per step"
+        note += (f"; {row['verify_steps']} verify steps ({row.get('chained_windows') or 0} chained), "
+                 f"{row['accepted_per_verify']:.2f} drafts accepted per step")
     return note
 
 
@@ -319,7 +327,7 @@ def _counted_since(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) if k.endswith("_total") and k != "slots_total" else v for k, v in after.items()}
 
 
-def _per_step(stats: dict, key: str, steps_key: str = "overlapped_steps_total") -> float | None:
+def _per_step(stats: dict, key: str, steps_key: str = "ahead_steps_total") -> float | None:
     steps = stats.get(steps_key)
     return stats[key] / steps * 1e3 if steps and key in stats else None
 
@@ -368,6 +376,10 @@ def users_args(p) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="read every decode step's tokens back before launching the next (EngineConfig.overlap_steps "
                         "off), to measure what overlapping buys")
+    p.add_argument("--chain-windows", action=argparse.BooleanOptionalAction, default=True,
+                   help="with a drafter that also guesses on the device (mtp, oracle:P), launch each verify window "
+                        "from the one before on the device, before reading it back (EngineConfig.chain_windows); "
+                        "--no-chain-windows: every window in step with the host, to measure what chaining buys")
     p.add_argument("--prefill-chunks", default="64,256",
                    type=lambda v: tuple(int(c) for c in v.split(",")),
                    help="the engine's prefill chunk sizes (each is one compiled function; default 64,256)")

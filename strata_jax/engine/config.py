@@ -47,6 +47,13 @@ class EngineConfig:
     reading them back: the host's per-step work (launch, read-back, stop checks, events) then overlaps the
     device's. Other prompts may prefill meanwhile (their calls queue behind the step in flight). A request that
     stops at step n has had one more token computed, which is discarded.
+    chain_windows: with overlap_steps and a drafter that also guesses on the device (the MTP head, the benchmarks'
+    oracle: `drafters.DeviceDrafter`), verify windows chain the same way: window n+1 is built on the device from
+    window n's emitted tokens and the drafter's device guesses and launched before window n is read back (a synced
+    window paid ~8.6 ms of launch and host work beside its ~9.3 ms on the device: docs/PERF.md). Windows near a
+    request's length limits, and any step with a grammar mask or log-probabilities, run in step with the host.
+    Adaptive draft lengths then follow acceptance one window late; a request that stops inside window n has had
+    window n+1 computed, which is discarded (and its end-of-turn prefix snapshot is skipped: the slot is ahead).
     donate_counts: a host-tier model's steps consume the routing counters they are given and write the next ones
     in their buffers (on one device; off: new buffers every step, which makes the step's CUDA graphs update
     every step: docs/PERF.md, "Streamed experts").
@@ -83,6 +90,7 @@ class EngineConfig:
     draft_k: int = 4
     adaptive_draft: bool = True
     overlap_steps: bool = True
+    chain_windows: bool = True
     donate_counts: bool = True
     watchdog_s: float = 120.0
     progress_min_tokens: int = 4096

@@ -3,13 +3,20 @@ decoding slot's guesses, and the verify step checks them all (strata_jax/engine/
 exact). `EngineConfig.draft` picks a built-in one (`make_drafter`); `Engine(..., drafter=...)` takes any other
 (e.g. a draft model, strata_jax/engine/draft_model.py, or the benchmarks' oracle, strata_jax/bench/oracle.py). How
 many tokens each slot asks for is the scheduler's (`EngineConfig.draft_k`, `adaptive_draft`).
+
+A drafter that can also guess on the device (`DeviceDrafter`: the MTP head, the benchmarks' oracle) lets the
+scheduler chain verify windows (`EngineConfig.chain_windows`): window n+1 is launched from window n's outputs
+while they are still on the device, before the host reads window n back, as overlapped decode does for plain steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
 
 from strata_jax.engine.config import EngineConfig
 
@@ -42,6 +49,41 @@ class Drafter(Protocol):
 
     def warm_up(self) -> None:
         """Compiles whatever the drafter runs (called once, before serving)."""
+        ...
+
+
+@runtime_checkable
+class DeviceDrafter(Drafter, Protocol):
+    """A `Drafter` that can also guess on the device, from the device's own view of every slot (the sequence
+    lengths and the last step's MTP guesses), so that verify windows chain without the host in between.
+
+    Host side: `bind` once, `device_ready` when a chain starts, `device_state` at each chained window (its arrays
+    go into the window's inputs), `observe` when a chained window is read back. Device side: `device_drafts`, a
+    pure function traced into the jitted window inputs (strata_jax/engine/speculative.py, `window_inputs`)."""
+
+    def bind(self, slots: int, max_context: int) -> None:
+        """The engine's slot count and context length (called once, before serving)."""
+        ...
+
+    def device_ready(self, slot: int, owner: object, history: Sequence[int]) -> bool:
+        """Prepares `slot`'s device-side state for the request `owner` whose sequence is `history` (the target has
+        consumed all but its last token); False: this slot drafts nothing in chained windows."""
+        ...
+
+    def device_state(self) -> Any:
+        """The pytree of device arrays `device_drafts` reads (uploaded only when it changed)."""
+        ...
+
+    def device_drafts(self, state: Any, step_drafts: jax.Array, lengths: jax.Array,
+                      k: int) -> tuple[jax.Array, jax.Array]:
+        """Traced: guesses [S, k] (int32) for each slot's history positions lengths[s] .. lengths[s] + k - 1, and
+        how many of them are real [S]. `step_drafts` [S, m]: the MTP guesses of the window before (m may be 0)."""
+        ...
+
+    def observe(self, slot: int, owner: object, start: int, emitted: Sequence[int], proposed: int,
+                accepted: int) -> None:
+        """A chained window read back: `proposed` drafts, `accepted` of them, and the tokens `emitted`, which are
+        history positions start, start + 1, ...."""
         ...
 
 
@@ -83,6 +125,29 @@ class MtpDrafter:
 
     def warm_up(self) -> None:
         """Nothing to compile: the guesses are part of the step functions."""
+
+    # -- on the device (`DeviceDrafter`): the verify step's own MTP guesses ----------------------------------------
+    def bind(self, slots: int, max_context: int) -> None:
+        """Nothing to size."""
+
+    def device_ready(self, slot: int, owner: object, history: Sequence[int]) -> bool:
+        """Every slot has the MTP head's guesses."""
+        return True
+
+    def device_state(self) -> tuple:
+        """No state: the guesses are the step's outputs."""
+        return ()
+
+    def device_drafts(self, state: tuple, step_drafts: jax.Array, lengths: jax.Array,
+                      k: int) -> tuple[jax.Array, jax.Array]:
+        """The window before's MTP guesses, cut (or padded) to `k`."""
+        s, m = step_drafts.shape
+        drafts = jnp.zeros((s, k), jnp.int32).at[:, : min(m, k)].set(step_drafts[:, :k].astype(jnp.int32))
+        return drafts, jnp.full((s,), min(m, k), jnp.int32)
+
+    def observe(self, slot: int, owner: object, start: int, emitted: Sequence[int], proposed: int,
+                accepted: int) -> None:
+        """Nothing to keep."""
 
 
 def make_drafter(config: EngineConfig) -> Drafter | None:

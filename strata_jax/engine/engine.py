@@ -74,6 +74,8 @@ class Engine:
         self.compile_seconds = host_seconds + step_seconds
         if self._drafter is not None:
             self._drafter.warm_up()
+        if self._scheduler.chains:  # the small jitted function that builds each chained window on the device
+            self._runner.warm_up_windows(self._drafter)
         if self.tokenizer is not None:
             # llguidance's view of the vocabulary takes 2-3.5 s at 248,320 tokens: built here, not by the first
             # constrained request (every agent request offers tools) while the server's event loop waits.

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import time
 
+import jax
 import numpy as np
 
 from strata_jax.engine.config import EngineConfig
@@ -32,11 +33,38 @@ class PrefillBatchFailed(Exception):
 
 @dataclasses.dataclass
 class InFlight:
-    """A decode step launched but not read back yet (`overlap_steps`): its device output and the jobs it ran."""
+    """A step launched but not read back yet: a decode step (`overlap_steps`) or a chained verify window
+    (`chain_windows`, the fields after `sampling` set). Its outputs are device arrays."""
 
-    out: object  # jax.Array [S], on the device
+    out: object  # tokens [S] (decode) or emitted tokens [S, width] (a window)
     jobs: list[Job]
     sampling: tuple[np.ndarray, ...]
+    accepted: object = None  # [S] accepted drafts (a window)
+    n_valid: object = None  # [S] 1 + drafts (0: the slot was idle)
+    lengths: object = None  # [S] history lengths before the window's emitted tokens
+    drafts: object = None  # [S, mtp_k] the MTP head's guesses after the window
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.accepted is None else "verify"
+
+
+@dataclasses.dataclass(frozen=True)
+class Landed:
+    """A step read back: its jobs and, per slot, its tokens ([S] decode, [S, width] window); a window's accepted
+    drafts and drafts proposed ([S] each) and the history length before its emitted tokens."""
+
+    jobs: list[Job]
+    tokens: np.ndarray
+    accepted: np.ndarray | None = None
+    proposed: np.ndarray | None = None
+    starts: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def emitted(self, slot: int) -> list[int]:
+        """The slot's new tokens: one (decode), or the accepted drafts and the target's own next token."""
+        if self.accepted is None:
+            return [int(self.tokens[slot])]
+        return [int(t) for t in self.tokens[slot, : int(self.accepted[slot]) + 1]]
 
 
 class StepExecutor:
@@ -174,9 +202,9 @@ class StepExecutor:
         self._read_logprobs(jobs, out.logprobs, wanted is not None, out.tokens, counts=out.accepted + 1)
         return emitted
 
-    def launch(self, jobs: list[Job]) -> tuple[list[Job], np.ndarray] | None:
+    def launch(self, jobs: list[Job]) -> Landed | None:
         """Launches the next decode step on the device (on the in-flight step's tokens, still there, if any), then
-        reads back the step launched before it: returns its (jobs, tokens [S]), or None."""
+        reads back the step launched before it: returns it, or None."""
         s = self.config.slots
         active = np.zeros(s, bool)
         for job in jobs:
@@ -201,12 +229,52 @@ class StepExecutor:
         if previous is None:
             return None
         self.counters["overlapped_steps"] += 1
-        return previous.jobs, self._read_back(previous)
+        return self._read_back(previous)
 
-    def land(self) -> tuple[list[Job], np.ndarray]:
+    def launch_window(self, jobs: list[Job], want: dict[int, int], drafter) -> Landed | None:
+        """Launches the next verify window of `jobs` on the device, built there from the window in flight (if any)
+        and `drafter`'s device guesses (a `DeviceDrafter`), each slot drafting at most `want[slot]`; then reads back
+        the window launched before it: returns it, or None (a chain's first window).
+
+        The window width is the narrowest compiled one for the longest want; a slot whose drafter has fewer guesses
+        rides along with fewer (masked). The caller makes sure no job can end inside the two windows' tokens by
+        length (`max_tokens`, context): a stop token may, and the tokens after it are discarded."""
+        s = self.config.slots
+        width = next(w for w in self.config.verify_widths if w >= 1 + max(want.values()))
+        active, wants = np.zeros(s, bool), np.zeros(s, np.int32)
+        for job in jobs:
+            active[job.slot], wants[job.slot] = True, want.get(job.slot, 0)
+        previous = self.in_flight
+        if previous is None:
+            out, accepted = np.zeros((s, 1), np.int32), np.zeros(s, np.int32)
+            lengths, step_drafts = np.zeros(s, np.int32), np.zeros((s, self.runner.mtp_k), np.int32)
+            for job in jobs:
+                out[job.slot, 0] = job.last_token
+                lengths[job.slot] = len(job.prompt) + len(job.generated) - 1
+                step_drafts[job.slot, : len(job.device_drafts)] = job.device_drafts[: self.runner.mtp_k]
+            sampling = self._sampling(jobs)
+        else:
+            out, accepted, lengths, step_drafts = previous.out, previous.accepted, previous.lengths, previous.drafts
+            sampling = previous.sampling
+        started = time.perf_counter()
+        tokens, n_valid, lengths = self.runner.window(drafter, out, accepted, lengths, step_drafts, wants, active,
+                                                      width)
+        step = self.runner.verify_on_device(tokens, n_valid, sampling)
+        self.after_step("verify")
+        self.counters["launch_seconds"] += time.perf_counter() - started
+        self.counters["verify_steps"] += 1
+        self.counters["chained_windows"] += 1
+        self.in_flight = InFlight(step.tokens, jobs, sampling, step.accepted, n_valid, lengths, step.drafts)
+        return None if previous is None else self._read_back(previous)
+
+    def land(self) -> Landed:
         """Reads back the step in flight (before anything that needs the host in step with the device)."""
         previous, self.in_flight = self.in_flight, None
-        return previous.jobs, self._read_back(previous)
+        return self._read_back(previous)
+
+    def carries(self, job: Job) -> bool:
+        """Whether a step in flight runs `job`: its slot's state is then ahead of what the host has read back."""
+        return self.in_flight is not None and job in self.in_flight.jobs
 
     def idle(self) -> None:
         """No request decodes any more: the wait for the next decode step is not a stall."""
@@ -222,15 +290,26 @@ class StepExecutor:
         self.in_flight = None
         self._last_decode = 0.0
 
-    def _read_back(self, step: InFlight) -> np.ndarray:
+    def _read_back(self, step: InFlight) -> Landed:
+        """Waits for `step` and copies its outputs to the host; a window's also go into its jobs (what the device
+        consumed, the MTP head's guesses for a step that follows on the host)."""
         started = time.perf_counter()
-        out = np.asarray(step.out)
+        if step.kind == "decode":
+            landed = Landed(step.jobs, np.asarray(step.out))
+        else:
+            out, accepted, n_valid, lengths, drafts = jax.device_get(
+                (step.out, step.accepted, step.n_valid, step.lengths, step.drafts))
+            landed = Landed(step.jobs, out, accepted, np.maximum(n_valid - 1, 0),
+                            {job.slot: int(lengths[job.slot]) for job in step.jobs})
+            for job in step.jobs:
+                job.consumed += int(accepted[job.slot]) + 1
+                job.device_drafts = [int(t) for t in drafts[job.slot]]
         self.counters["read_back_seconds"] += time.perf_counter() - started
         now = time.monotonic()
         if self._last_decode:
             self.max_stall = max(self.max_stall, now - self._last_decode)
         self._last_decode = now
-        return out
+        return landed
 
     def _count_step_call(self, started: float) -> None:
         """A step run in step with the host (decode without overlap, verify): the time from calling the runner to

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from flax import nnx
 
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.mesh import MeshSteps
+from strata_jax.engine.speculative import window_inputs
 from strata_jax.engine.steps import (
     STEPS, FlatWeights, Sampling, decode_args, greedy_sampling, jit_step, jit_step_donating_counts, prefill_args,
     put_slot, reset_slot, take_slot, take_slot_prefix, verify_args,
@@ -58,6 +60,11 @@ def put_slot_prefix(cache: ModelCache, slot: jax.Array, sub: ModelCache) -> Mode
         return jax.lax.dynamic_update_slice(x, y.astype(x.dtype), (slot,) + (0,) * (x.ndim - 1))
 
     return jax.tree_util.tree_map(put, cache, sub)
+
+
+def _device_int(x) -> jax.Array:
+    """An int32 step output (already on the device) or a host array put there."""
+    return x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x, np.int32))
 
 
 def _kv_bytes(cache: ModelCache) -> int:
@@ -180,6 +187,7 @@ class ModelRunner:
         self.mask_words = (model.config.vocab_size + 31) // 32
         self._free: dict[tuple, tuple[jax.Array, jax.Array]] = {}  # shape -> (all-allowing masks, no logprobs)
         self._uploads: dict[str, tuple[np.ndarray, jax.Array]] = {}  # input name -> (last values, their device copy)
+        self._windows: dict[int, Callable] = {}  # id(drafter) -> its jitted `window_inputs` (chained windows)
 
     # -- weights -------------------------------------------------------------------------------------------------
     def _weights(self) -> list[jax.Array]:
@@ -272,6 +280,35 @@ class ModelRunner:
         n_acc, out, drafts, lp, counts = self._run("verify", tokens.shape[1], self.config.slots, args)
         n_acc, out, drafts = jax.device_get((n_acc, out, drafts))  # one wait for the three
         return StepOutput(np.asarray(out), np.asarray(drafts), counts, accepted=np.asarray(n_acc), logprobs=lp)
+
+    def verify_on_device(self, tokens: jax.Array, n_valid: jax.Array, sampling: Sampling) -> StepOutput:
+        """`verify` for a model without PLE, on windows built on the device (`window`), its outputs left there:
+        nothing is synced (chained windows)."""
+        args = verify_args(tokens, n_valid, self._kept_sampling(sampling), (), self.model.dtype,
+                           **self._extras(tuple(tokens.shape), None, None))
+        n_acc, out, drafts, _, counts = self._run("verify", tokens.shape[1], self.config.slots, args)
+        return StepOutput(out, drafts, counts, accepted=n_acc)
+
+    def window(self, drafter, out, accepted, lengths, step_drafts, want: np.ndarray, active: np.ndarray,
+               width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The next chained verify window's (tokens [S, width], n_valid [S], lengths [S]) on the device, from the
+        window before's outputs (`speculative.window_inputs`; host arrays for a chain's first window) and
+        `drafter`'s guesses (a `DeviceDrafter`). `want`: each slot's most drafts; `active`: its slots in use."""
+        fn = self._windows.get(id(drafter))
+        if fn is None:
+            fn = self._windows[id(drafter)] = jax.jit(functools.partial(window_inputs, drafter.device_drafts),
+                                                      static_argnames=("width",))
+        return fn(_device_int(out), _device_int(accepted), _device_int(lengths), _device_int(step_drafts),
+                  self._kept("want", want, np.int32), self._kept("active", active, bool), drafter.device_state(),
+                  width=width)
+
+    def warm_up_windows(self, drafter) -> None:
+        """Compiles `window` for every pair of (window before, next window) widths, a chain's first included."""
+        s = self.config.slots
+        for before in (1, *self.config.verify_widths):
+            for width in self.config.verify_widths:
+                self.window(drafter, np.zeros((s, before), np.int32), np.zeros(s, np.int32), np.zeros(s, np.int32),
+                            np.zeros((s, self.mtp_k), np.int32), np.zeros(s, np.int32), np.zeros(s, bool), width)
 
     # -- slots ---------------------------------------------------------------------------------------------------
     def _new_cache(self) -> ModelCache:

@@ -5,8 +5,10 @@ Each iteration: cancellations and stop-string ends free their slots, FIFO admiss
 prefix-cache snapshots, or waiting for the snapshot of a prompt that is prefilling the same first tokens), one
 prefill call runs the prompt pieces the prefill policy picks (strata_jax/engine/prefill_policy.py: narrow and paced
 while slots decode, shortest remaining first), then every decoding slot gets one step: verify when the drafter has
-guesses, else decode (overlapped with the host's work while nothing else needs the host in step with the device:
-no slot drafting this step (paused drafts do not count), no PLE rows, grammar masks or log-probabilities).
+guesses, else decode. Steps overlap the host's work while nothing needs the host in step with the device (no PLE
+rows, grammar masks or log-probabilities): decode steps while no slot drafts (paused drafts do not count), and
+verify windows chained on the device while the drafter guesses there too (`DeviceDrafter`, `chain_windows`) and
+no request can end by length inside the next two windows.
 Prefix snapshots are copied to the host asynchronously. The scheduler decides token-level ends (EOS, stop-token
 ids, length); stop strings are text-level and matched by the output processor.
 """
@@ -23,8 +25,8 @@ import numpy as np
 
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.draft_policy import DraftLengths
-from strata_jax.engine.drafters import DraftRequest, Drafter
-from strata_jax.engine.executor import PrefillBatchFailed, StepExecutor
+from strata_jax.engine.drafters import DeviceDrafter, DraftRequest, Drafter
+from strata_jax.engine.executor import Landed, PrefillBatchFailed, StepExecutor
 from strata_jax.engine.job import Job
 from strata_jax.engine.output import OutputProcessor, RequestStream
 from strata_jax.engine.placement import ExpertPlacement
@@ -71,10 +73,14 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.busy_since: float | None = None  # when the iteration running now began (the watchdog reads it)
         self._abandoned: set[Job] = set()  # failed from outside while the engine thread was busy (watchdog, stop)
-        # Overlapped decode needs next-step inputs that live on the device: no PLE rows, and with a drafter only
-        # while every decoding slot's drafts are paused (adaptive lengths: `_may_overlap`).
-        self._can_overlap = config.overlap_steps and not model.config.ple_layers and (
-            drafter is None or self.draft_lengths is not None)
+        # Overlapped steps need next-step inputs that live on the device: no PLE rows; decode with a drafter only
+        # while every decoding slot's drafts are paused (adaptive lengths), verify windows with a drafter that
+        # guesses on the device (`_overlap`).
+        self._can_overlap = config.overlap_steps and not model.config.ple_layers
+        self.chains = (self._can_overlap and config.chain_windows and isinstance(drafter, DeviceDrafter)
+                        and runner.mesh_steps is None)
+        if self.chains:
+            drafter.bind(config.slots, config.max_context)
 
     # -- control -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -168,6 +174,7 @@ class Scheduler:
                 "accepted_draft_tokens_total": self.counters["accepted"],
                 "verify_steps_total": self.counters["verify_steps"],
                 "overlapped_steps_total": self.counters["overlapped_steps"],
+                "chained_windows_total": self.counters["chained_windows"],  # verify windows launched on the device
                 # Overlapped decoding's host time: launching steps (with the placement's work after each), and
                 # waiting for the step before to finish. Little waiting means the host, not the device, sets the rate.
                 "decode_launch_seconds_total": self.counters["launch_seconds"],
@@ -239,9 +246,9 @@ class Scheduler:
     def _iteration(self, cancelled: set[str], ended: dict[RequestStream, int | None]) -> None:
         """Decides this iteration's work: ends, admission, one prefill chunk, one step for the decoding slots."""
         if self.executor.in_flight is not None and (
-            cancelled or ended or self._admission_pending() or not self._may_overlap()
+            cancelled or ended or self._admission_pending() or self._overlap() != self.executor.in_flight.kind
         ):
-            self._hand_out(*self.executor.land())
+            self._hand_out(self.executor.land())
         started = time.perf_counter()  # what is not the decode step below is charged to prefill's share
         for job in list(self._slots):
             if job is not None and job.request.request_id in cancelled:
@@ -266,19 +273,23 @@ class Scheduler:
         elif prefilling:
             self.counters["prefill_deferred"] += 1
         decoding = [j for j in self._slots if j is not None and not j.prefilling]
-        if decoding and self._may_overlap():
-            if self.drafter is not None:  # every slot's drafts are paused: this step counts down their pauses
-                for job in decoding:
-                    self.draft_lengths.length(job.slot, job)
+        overlap = self._overlap() if decoding else None
+        if overlap is not None:
             step_started = time.perf_counter()  # launching waits for the step before: about one step's time
-            landed = self.executor.launch(decoding)
+            if overlap == "verify":
+                landed = self.executor.launch_window(decoding, self._window_wants(decoding), self.drafter)
+            else:
+                if self.drafter is not None:  # every slot's drafts are paused: this step counts down their pauses
+                    for job in decoding:
+                        self.draft_lengths.length(job.slot, job)
+                landed = self.executor.launch(decoding)
             decode_s = time.perf_counter() - step_started
             if landed is not None:
-                self._hand_out(*landed)
+                self._hand_out(landed)
             decoding = []
         elif decoding and self.executor.in_flight is not None:  # a decoder the step in flight lacks (its prompt
             # just ended): that step lands first, then this one runs in step with the host
-            self._hand_out(*self.executor.land())
+            self._hand_out(self.executor.land())
             decoding = [j for j in self._slots if j is not None and not j.prefilling]
         if decoding:
             step_started = time.perf_counter()
@@ -364,22 +375,45 @@ class Scheduler:
                 self._restore(job, fresh=False)
 
     # -- which step ----------------------------------------------------------------------------------------------
-    def _may_overlap(self) -> bool:
-        """Some request decodes, and (with a step in flight) every decoding one ran in it: the next step's tokens
-        are the in-flight step's output, still on the device. Prompts may prefill meanwhile: their calls queue on
-        the device behind the step in flight, and decode steps between them overlap as without them."""
+    def _overlap(self) -> str | None:
+        """Which step the decoding requests take overlapped with the host: "decode", "verify" (chained windows), or
+        None (in step with the host). Some request decodes, none needs the host in step, and (with a step in flight)
+        every decoding one ran in it: the next step's inputs are the in-flight step's outputs, still on the device.
+        Prompts may prefill meanwhile: their calls queue on the device behind the step in flight, and steps between
+        them overlap as without them."""
         if not self._can_overlap:
-            return False
+            return None
         running = [j for j in self._slots if j is not None]
         decoding = [j for j in running if not j.prefilling]
         if not decoding:
-            return False
+            return None
         if any(j.host_bound for j in running):  # a grammar mask or log-probabilities: the host steps along
-            return False
-        if self.drafter is not None and not all(self.draft_lengths.paused(j.slot, j) for j in decoding):
-            return False  # a slot drafts this step: its drafts need the in-flight step's tokens on the host
+            return None
         in_flight = self.executor.in_flight
-        return in_flight is None or all(j in in_flight.jobs for j in decoding)
+        if in_flight is not None and not all(j in in_flight.jobs for j in decoding):
+            return None
+        if self.drafter is None or (self.draft_lengths is not None
+                                    and all(self.draft_lengths.paused(j.slot, j) for j in decoding)):
+            return "decode"
+        if not self.chains:
+            return None  # a slot drafts this step: its drafts need the in-flight step's tokens on the host
+        # Two windows (the one in flight and the next) must not run past a request's length limits: near them the
+        # windows run in step with the host, which cuts the drafts to what may still be emitted.
+        most = 2 * max(self.config.verify_widths)
+        if any(self._draft_limit(j) < most for j in decoding):
+            return None
+        if in_flight is None and not any([self.drafter.device_ready(j.slot, j, j.prompt + tuple(j.generated))
+                                          for j in decoding]):
+            return None  # the drafter has nothing to guess for any of them on the device
+        return "verify"
+
+    def _window_wants(self, jobs: list[Job]) -> dict[int, int]:
+        """Each job's draft length for its next chained window (adaptive: from its acceptance, one window late;
+        0 while paused), at least one slot drafting."""
+        if self.draft_lengths is None:
+            return {job.slot: self.config.draft_k for job in jobs}
+        want = {job.slot: self.draft_lengths.length(job.slot, job) for job in jobs}
+        return want if any(want.values()) else {job.slot: min(self.config.draft_ks) for job in jobs}
 
     def _drafts(self, jobs: list[Job]) -> dict[int, list[int]]:
         """The drafter's guesses for every decoding job, each at most its slot's draft length (adaptive: from its
@@ -468,20 +502,28 @@ class Scheduler:
     def _verify(self, jobs: list[Job], drafts: dict[int, list[int]]) -> None:
         emitted = self.executor.verify(jobs, drafts)
         for job in jobs:
-            proposed, a = drafts.get(job.slot, []), len(emitted[job.slot]) - 1
-            job.drafted += len(proposed)
-            job.accepted += a
-            if self.draft_lengths is not None:
-                self.draft_lengths.update(job.slot, len(proposed), a)
-            self.counters["drafted"] += len(proposed)
-            self.counters["accepted"] += a
+            self._count_drafts(job, len(drafts.get(job.slot, [])), len(emitted[job.slot]) - 1)
             self._accept(job, emitted[job.slot])
 
-    def _hand_out(self, jobs: list[Job], tokens: np.ndarray) -> None:
-        """The tokens of an overlapped step, read back."""
-        for job in jobs:
-            if self._slots[job.slot] is job:  # else it finished at the step before: this token is discarded
-                self._accept(job, [int(tokens[job.slot])])
+    def _count_drafts(self, job: Job, proposed: int, accepted: int) -> None:
+        job.drafted += proposed
+        job.accepted += accepted
+        if self.draft_lengths is not None:
+            self.draft_lengths.update(job.slot, proposed, accepted)
+        self.counters["drafted"] += proposed
+        self.counters["accepted"] += accepted
+
+    def _hand_out(self, landed: Landed) -> None:
+        """The tokens of an overlapped step (a decode step or a chained verify window), read back."""
+        for job in landed.jobs:
+            if self._slots[job.slot] is not job:  # it finished at the step before: these tokens are discarded
+                continue
+            emitted = landed.emitted(job.slot)
+            if landed.accepted is not None:
+                proposed, accepted = int(landed.proposed[job.slot]), len(emitted) - 1
+                self._count_drafts(job, proposed, accepted)
+                self.drafter.observe(job.slot, job, landed.starts[job.slot], emitted, proposed, accepted)
+            self._accept(job, emitted)
         if not any(j is not None and not j.prefilling for j in self._slots):
             self.executor.idle()
 
@@ -519,8 +561,11 @@ class Scheduler:
         # The state holds the first `consumed` tokens of the sequence: every generated token but the last (not fed
         # back yet), or all of them when an overlapped step or an accepted draft run fed the last one too. A stop
         # inside an accepted draft run leaves it past the sequence: then it is not a snapshot of any known prefix.
+        # A chained window in flight has run it further still.
         seq = job.prompt + tuple(job.generated[:kept] if kept is not None else job.generated)
-        fed = len(seq) - 1 <= job.consumed <= len(seq)
+        fed = len(seq) - 1 <= job.consumed <= len(seq) and not (
+            self.executor.in_flight is not None and self.executor.in_flight.kind == "verify"
+            and self.executor.carries(job))
         if snapshot and len(seq) > len(job.prompt) and not job.prefilling and fed:
             self._snapshot(job, seq[: job.consumed])
         if reason == "cancelled":  # its snapshots still in flight are dropped: their device copies freed now

@@ -51,3 +51,24 @@ def accept(
     tokens = jnp.where(idx < n_acc[:, None], padded, jnp.take_along_axis(own, n_acc[:, None], axis=1))
     return n_acc, tokens
 
+
+
+def window_inputs(drafts_fn, out: jax.Array, accepted: jax.Array, lengths: jax.Array, step_drafts: jax.Array,
+                  want: jax.Array, active: jax.Array, state, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The next verify window, built on the device from the window before's outputs (chained windows: the host
+    does not read them first).
+
+    out [S, W'] and accepted [S]: the window before's emitted tokens (its last emitted one, out[s, accepted[s]],
+    starts the new window); lengths [S]: each slot's history length before that window's emitted tokens, so that
+    lengths + accepted + 1 is the length now (the new window's first token is its last). The first window of a
+    chain passes out = last token [S, 1], accepted = 0 and lengths = history length - 1. `drafts_fn(state,
+    step_drafts, lengths, k)` (`DeviceDrafter.device_drafts`) guesses; each slot takes at most want[s] of them;
+    inactive slots get an empty window. Returns (tokens [S, width], n_valid [S], lengths [S])."""
+    k = width - 1
+    first = jnp.take_along_axis(out, accepted[:, None], axis=1)
+    lengths = lengths + accepted + 1
+    guesses, real = drafts_fn(state, step_drafts, lengths, k)
+    n_drafts = jnp.clip(jnp.minimum(real, want), 0, k)
+    kept = jnp.where(jnp.arange(k)[None, :] < n_drafts[:, None], guesses, 0)
+    tokens = jnp.concatenate([first.astype(jnp.int32), kept.astype(jnp.int32)], axis=1)
+    return tokens, jnp.where(active, 1 + n_drafts, 0).astype(jnp.int32), lengths

@@ -164,6 +164,8 @@ def test_paused_slots_decode_overlapped_and_equal_plain_greedy():
     assert got == want
     assert stats["verify_steps_total"] > 0 and stats["accepted_draft_tokens_total"] == 0
     assert stats["overlapped_steps_total"] > 0
-    # Verify windows and the steps around a pause's ends ran in step with the host; the paused ones did not.
-    assert stats["verify_steps_total"] <= stats["in_step_steps_total"] < (
-        stats["verify_steps_total"] + stats["decode_steps_total"])
+    # Verify windows chained on the device (the oracle guesses there too) or, near a request's end and around a
+    # pause's ends, ran in step with the host; the paused decode steps overlapped.
+    in_step_windows = stats["verify_steps_total"] - stats["chained_windows_total"]
+    assert stats["chained_windows_total"] > 0 and in_step_windows >= 0
+    assert in_step_windows <= stats["in_step_steps_total"] < in_step_windows + stats["decode_steps_total"]
