@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--sampling-branches", choices=BRANCH_MODES, default="auto",
                        help="how the steps' sampling skips optional work: cond (lax.cond; on a GPU each copies its "
                        "predicate to the host mid-step), select (both sides computed, no host synchronisation) or "
-                       "auto (default: select on a GPU for steps of up to 16 sampled rows): "
+                       "auto (default: select on a GPU for steps of up to 72 sampled rows): "
                        "strata_jax.engine.sampling.set_branch_mode")
     model.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
                        help="step and users modes on a --preset: the MTP head a real checkpoint has (step mode: "

@@ -57,6 +57,7 @@ def test_unknown_mode_is_refused(modes):
     assert sampling._mode == "auto"
     on_gpu = jax.default_backend() == "gpu"
     assert sampling.branch_mode(1) == ("select" if on_gpu else "cond")
+    assert sampling.branch_mode(8 * 9) == ("select" if on_gpu else "cond")  # 8 slots' verify windows chain
     assert sampling.branch_mode(sampling.SELECT_MAX_ROWS + 1) == "cond"  # large steps: not measured, kept as was
     set_branch_mode("select")
     assert sampling.branch_mode(1000) == "select"
