@@ -323,7 +323,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="how each step's sampling skips work no slot needs (top-k/top-p sort, draws, grammar "
                      "masks, log-probabilities): cond (skipped, but on a GPU each test syncs with the host mid-step), "
                      "select (always computed, no sync: one user 1.26x faster on the H200) or auto (default: select "
-                     "on a GPU for steps of up to 72 sampled rows, i.e. 8 slots with verify windows of 9; cond elsewhere)")
+                     "on a GPU for steps of up to 72 sampled rows, i.e. 8 slots with verify windows of 9; cond "
+                     "elsewhere)")
     srv.add_argument("--command-buffers", choices=("auto", "stable-scratch", "xla"), default="auto",
                      help="how XLA keeps each step's CUDA graphs: stable-scratch (the step's scratch memory at a "
                      "fixed address, XLA's VMM allocator; jax 0.11: the graphs are not rebuilt every step: one "
