@@ -11,8 +11,7 @@ rows: 8 users with chained windows of 5 (40 rows) ran 85.6 tok/s each with "sele
 (H100, 2026-12-05), where "cond" had left them at 0.98x (a sync in every window stops the chaining). "auto" (the
 default) is "select" on a GPU for steps that sample at most `SELECT_MAX_ROWS` rows (up to 8 slots with windows of 9)
 and "cond" above that and off a GPU (no sync to save on the CPU); 32 slots' decode (32 rows) now selects too, its
-sort against the sync not yet measured. Steps keep the mode they were traced with
-(`set_branch_mode`).
+sort against the sync not yet measured. Steps keep the mode they were traced with (`set_branch_mode`).
 """
 
 from __future__ import annotations
