@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode_attention import check_kv_scales
 from pallas_kernels.prefill_attention import _check, prefill_attention
-from pallas_kernels.prefill_cudnn import cudnn_applies, cudnn_prefill
+from pallas_kernels.prefill_cudnn import cudnn_applies, cudnn_prefill, cudnn_prefill_selected
 
 _NEG = -1e30  # the running max before any key: finite, so that exp(_NEG - m) is 0 rather than NaN
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -229,6 +229,10 @@ def flash_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_
 
 
 PREFILL_IMPLS = ("auto", "jnp", "pallas", "cudnn")
+# Whether "auto" also sends chunks with a QSA selection to cuDNN (`prefill_cudnn.cudnn_prefill_selected`, the
+# selection as its attention mask) where it sends plain ones. Off until it measures faster than the jnp form on the
+# H200 (docs/PERF.md, "Prefill attention").
+AUTO_CUDNN_SELECTED = False
 
 
 def auto_takes_cudnn() -> bool:
@@ -243,20 +247,22 @@ def auto_takes_cudnn() -> bool:
 
 def resolve_prefill_impl(impl: str, head_dim: int, ctx: int, chosen: jax.Array | None, quantized: bool,
                          dtype=None) -> str:
-    """Which form `attend_prefill` runs: "auto" is cuDNN where `cudnn_applies` (bf16 / fp16, no QSA selection, a
-    float cache) on a GPU where it was measured (`auto_takes_cudnn`), else the jnp form (the Pallas kernel measured
-    1.2-1.8x the jnp form on causal chunks, below cuDNN; with a selection or a quantized cache it is not yet
-    measured); "pallas" the kernel where it takes the shapes (`kernel_supports`); "cudnn" `prefill_cudnn.cudnn_prefill`
-    for plain causal chunks over a float cache (no QSA selection); the jnp form wherever the choice does not apply.
-    `dtype`: the queries' (for "auto"; None: not cuDNN)."""
+    """Which form `attend_prefill` runs: "auto" is cuDNN where `cudnn_applies` (bf16 / fp16, a float cache) on a GPU
+    where it was measured (`auto_takes_cudnn`), for chunks with a QSA selection only while `AUTO_CUDNN_SELECTED`,
+    else the jnp form (the Pallas kernel measured 1.2-1.8x the jnp form on causal chunks, below cuDNN; with a
+    selection or a quantized cache it is not yet measured); "pallas" the kernel where it takes the shapes
+    (`kernel_supports`); "cudnn" `prefill_cudnn.cudnn_prefill` for plain causal chunks and
+    `prefill_cudnn.cudnn_prefill_selected` for chunks with a selection, over a float cache; the jnp form wherever
+    the choice does not apply. `dtype`: the queries' (for "auto"; None: not cuDNN)."""
     if impl not in PREFILL_IMPLS:
         raise ValueError(f"prefill attention impl must be one of {', '.join(PREFILL_IMPLS)}, got {impl!r}")
     if impl == "auto":
-        takes = dtype is not None and cudnn_applies(dtype, chosen, quantized) and auto_takes_cudnn()
+        takes = (dtype is not None and cudnn_applies(dtype, quantized) and auto_takes_cudnn()
+                 and (chosen is None or AUTO_CUDNN_SELECTED))
         return "cudnn" if takes else "jnp"
     if impl == "pallas" and kernel_supports(head_dim, ctx):
         return "pallas"
-    if impl == "cudnn" and chosen is None and not quantized:
+    if impl == "cudnn" and not quantized:
         return "cudnn"
     return "jnp"
 
@@ -267,15 +273,18 @@ def attend_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n
                    v_scale: jax.Array | None = None) -> jax.Array:
     """A prefill chunk's attention by the form ``impl`` picks (`resolve_prefill_impl`); arguments and result as
     `prefill_attention.prefill_attention`. ``k_new``, ``v_new`` [B, T, Hk, D]: the chunk's own keys and values as
-    written to the cache, which the cuDNN form reads instead of the cache (needed for "cudnn"). Off a GPU the kernel
-    runs in Pallas interpret mode (tests) and the cuDNN form through XLA's implementation."""
+    written to the cache, which the cuDNN form of a plain chunk reads instead of the cache (needed for "cudnn"
+    without a selection). Off a GPU the kernel runs in Pallas interpret mode (tests) and the cuDNN forms through
+    XLA's implementation."""
     quantized = k_scale is not None
     chosen_impl = resolve_prefill_impl(impl, q.shape[-1], k.shape[2], chosen, quantized, q.dtype)
-    if chosen_impl == "cudnn" and k_new is None:
+    if chosen_impl == "cudnn" and chosen is None and k_new is None:
         raise ValueError("the cuDNN prefill attention needs the chunk's own keys and values (k_new, v_new)")
     if chosen_impl == "pallas":
         return flash_prefill(q, k, v, start, n_valid, chosen, compress_ratio, k_scale=k_scale, v_scale=v_scale,
                              interpret=jax.default_backend() != "gpu")
     if chosen_impl == "cudnn":
+        if chosen is not None:
+            return cudnn_prefill_selected(q, k, v, start, n_valid, chosen, compress_ratio)
         return cudnn_prefill(q, k, v, start, n_valid, k_new, v_new)
     return prefill_attention(q, k, v, start, n_valid, chosen, compress_ratio, k_scale=k_scale, v_scale=v_scale)

@@ -11,9 +11,16 @@ by their log-sum-exp (`return_residual`):
 * the chunk over its own keys and values (the ones just written, [B, T, Hk, D] as computed: no transpose), causal,
   ``key_value_seq_lengths = n_valid``.
 
-A part with no key (an empty prefix, a slot with no real token) gets weight 0. What it cannot take: the QSA
-per-token block selection (a dense mask would be [T, S] per slot) and quantized caches (cuDNN's fp8 attention wants
-its own scaling); callers fall back to the other forms there (`pallas_kernels.flash_prefill.attend_prefill`).
+A part with no key (an empty prefix, a slot with no real token) gets weight 0.
+
+A chunk with a QSA selection (`cudnn_prefill_selected`) is one call per block of queries over the whole cache: the
+selection goes in as cuDNN's attention bias, built from the per-token mask (`prefill_attention.dense_mask`: causal,
+the selected complete blocks, the incomplete tail), one [B, 1, block_q, S] mask shared by every head (the selection
+is per token, not per head), and ``key_value_seq_lengths`` stops each call's key loop at its last query's position.
+Queries go in blocks so that the mask stays ~128 MB at S = 65,536 and the causal waste inside a call (keys past a
+query's position are masked, not skipped) stays within one block. Quantized caches are not taken (cuDNN's fp8
+attention wants its own scaling); callers fall back to the other forms there
+(`pallas_kernels.flash_prefill.attend_prefill`).
 cuDNN needs bf16 or fp16 operands on a GPU; elsewhere (CPU tests, float32) JAX's XLA implementation runs the same two
 calls (dense scores: for tests, not for long contexts).
 """
@@ -23,12 +30,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.prefill_attention import dense_mask
 
-def cudnn_applies(dtype, chosen: jax.Array | None, quantized: bool) -> bool:
-    """Whether `cudnn_prefill` would run cuDNN's kernel: bf16 / fp16 operands on a GPU, no QSA selection, a float
-    cache."""
+# Queries per cuDNN call of a selected chunk: its [B, 1, BLOCK_Q, S] bf16 mask is 128 MB per slot at S = 65,536.
+BLOCK_Q = 1024
+
+
+def cudnn_applies(dtype, quantized: bool) -> bool:
+    """Whether `cudnn_prefill` / `cudnn_prefill_selected` would run cuDNN's kernel: bf16 / fp16 operands on a GPU and
+    a float cache."""
     return (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and chosen is None and not quantized)
+            and not quantized)
 
 
 def cudnn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_valid: jax.Array | None,
@@ -47,7 +59,7 @@ def cudnn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_
         raise ValueError(f"k_new and v_new must be [B, T, Hk, D] = {(bsz, t, kv_heads, d)}, got {k_new.shape}, "
                          f"{v_new.shape}")
     dtype = q.dtype
-    impl = "cudnn" if cudnn_applies(dtype, None, False) else None
+    impl = "cudnn" if cudnn_applies(dtype, False) else None
     start = start.astype(jnp.int32)
     n = jnp.full((bsz,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     qn = q.reshape(bsz, t, kv_heads * group, d)  # head n = kv head n // G, as both conventions have it
@@ -70,3 +82,41 @@ def cudnn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_
     out = (jnp.where(w1 > 0, o1.astype(jnp.float32), 0.0) * w1 + jnp.where(w2 > 0, o2.astype(jnp.float32), 0.0) * w2)
     out = out / jnp.where(total > 0, total, 1.0)
     return out.reshape(bsz, t, kv_heads, group, d).astype(dtype)
+
+
+def cudnn_prefill_selected(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_valid: jax.Array | None,
+                           chosen: jax.Array, compress_ratio: int, *, block_q: int = BLOCK_Q) -> jax.Array:
+    """`prefill_attention.prefill_attention` of a chunk with a QSA selection, through
+    `jax.nn.dot_product_attention` with the selection as a mask (module docstring): q [B, T, Hk, G, D] at positions
+    ``start[b] + t``; k, v [B, Hk, S, D] the cache with the chunk's keys and values already written; ``n_valid`` [B]
+    (default T); ``chosen`` [B, T, S // compress_ratio]. Returns [B, T, Hk, G, D] in q's dtype; a token that sees
+    no position gets zeros. ``implementation="cudnn"`` for bf16 / fp16 on a GPU, XLA's otherwise (dense scores:
+    for tests)."""
+    bsz, t, kv_heads, group, d = q.shape
+    s = k.shape[2]
+    if k.shape != (bsz, kv_heads, s, d) or v.shape != k.shape:
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
+    if compress_ratio < 1 or s % compress_ratio or chosen.shape != (bsz, t, s // compress_ratio):
+        raise ValueError(f"chosen must be [B, T, S // compress_ratio] = {(bsz, t, s // max(compress_ratio, 1))} with "
+                         f"S a whole number of blocks of {compress_ratio}, got {chosen.shape}")
+    if block_q < 1:
+        raise ValueError(f"block_q must be positive, got {block_q}")
+    dtype = q.dtype
+    impl = "cudnn" if cudnn_applies(dtype, False) else None
+    start = start.astype(jnp.int32)
+    n = jnp.full((bsz,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    keys = jnp.transpose(k, (0, 2, 1, 3)).astype(dtype)  # cuDNN's [B, S, Hk, D]
+    values = jnp.transpose(v, (0, 2, 1, 3)).astype(dtype)
+    outs = []
+    for q0 in range(0, t, block_q):
+        tq = min(block_q, t - q0)
+        positions = start[:, None] + q0 + jnp.arange(tq)[None, :]
+        # No key past this block's last real token (padding tokens see the real ones, as in the other forms).
+        limit = jnp.minimum(start + jnp.minimum(n, q0 + tq), s)
+        mask = dense_mask(positions, s, chosen[:, q0:q0 + tq], compress_ratio, limit)  # [B, tq, S]
+        qn = q[:, q0:q0 + tq].reshape(bsz, tq, kv_heads * group, d)  # head n = kv head n // G
+        out = jax.nn.dot_product_attention(qn, keys, values, mask=mask[:, None], key_value_seq_lengths=limit,
+                                           implementation=impl)
+        # A token that sees no position gets zeros (an all-masked row would average everything).
+        outs.append(jnp.where(jnp.any(mask, axis=-1)[..., None, None], out, 0))
+    return jnp.concatenate(outs, axis=1).reshape(bsz, t, kv_heads, group, d).astype(dtype)

@@ -1,9 +1,9 @@
 """Profiles prefill chunks of the synthetic Flash-Next model on the GPU and prints the kernels that take the time.
 
-    python -m tools.profile_prefill --ctx 65536 --tokens 8192 --out DIR
+    python -m tools.profile_prefill --ctx 65536 --tokens 20000 --chunk 4096 --out DIR
 
-Builds the engine (1 slot, chunks of 2,048), prefills one prompt untimed, then traces the prefill of another
-(`jax.profiler`, Perfetto trace under DIR) and sums the device events of the trace by name.
+Builds the engine (1 slot, chunks of --chunk tokens, the prefix cache off), prefills one prompt untimed, then traces
+the prefill of another (`jax.profiler`, Perfetto trace under DIR) and sums the device events of the trace by name.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ctx", type=int, default=65536)
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens); `serve` picks 4,096 on a big GPU")
+    ap.add_argument("--top", type=int, default=40, help="kernel names listed")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from pathlib import Path
@@ -39,7 +41,8 @@ def main() -> None:
     pool = HostPool()
     net = synthetic_model(cfg, jnp.bfloat16, ExpertQuantization(), host_pool=pool)
     model = LoadedModel(Path("synthetic"), cfg, net, jnp.bfloat16, [], None, host_pool=pool)
-    engine = Engine(model, EngineConfig(slots=1, max_context=args.ctx, prefill_chunks=(2048,), prefix_cache_mib=0))
+    engine = Engine(model, EngineConfig(slots=1, max_context=args.ctx, prefill_chunks=(args.chunk,),
+                                        prefix_cache_mib=0))
     engine.start()
     rng = np.random.default_rng(0)
     prompt = lambda: tuple(int(t) for t in rng.integers(0, cfg.vocab_size, args.tokens))  # noqa: E731
@@ -58,7 +61,7 @@ def main() -> None:
                     counts[e["name"][:90]] += 1
     total = sum(totals.values())
     print(f"device events: {total / 1e3:.1f} ms in {sum(counts.values())} events")
-    for name, us in totals.most_common(30):
+    for name, us in totals.most_common(args.top):
         print(f"{us / 1e3:9.1f} ms {counts[name]:6d}x  {name}")
 
 

@@ -16,9 +16,9 @@ slot per `--slots` entry holding F tokens before a chunk of T (`--attn-chunks`) 
 least F + T), at the preset's head shapes, per form: `jnp` (the blocked loop of pallas_kernels.prefill_attention),
 `pallas` (the flash-style kernel of pallas_kernels.flash_prefill with its default tiling), `m<M>_k<K>_w<W>_s<S>`
 (the kernel with M query rows and K keys per block, W warps, S pipeline stages), `cudnn` (jax.nn.dot_product_attention,
-pallas_kernels.prefill_cudnn; not with `--attn-qsa`). `--attn-qsa` adds a random QSA selection of about the preset's
-budget per token. The floor is the causal attention's matmul FLOPs over the bf16 matmul rate measured in the run
-(with QSA too: the forms compute every key block some token of theirs selects)."""
+pallas_kernels.prefill_cudnn; with `--attn-qsa` the selection as its mask). `--attn-qsa` adds a random QSA
+selection of about the preset's budget per token. The floor is the causal attention's matmul FLOPs over the bf16
+matmul rate measured in the run (with QSA too: the forms compute every key block some token of theirs selects)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import numpy as np
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_prefill import PrefillBlocks, flash_prefill
 from pallas_kernels.prefill_attention import prefill_attention
-from pallas_kernels.prefill_cudnn import cudnn_prefill
+from pallas_kernels.prefill_cudnn import cudnn_prefill, cudnn_prefill_selected
 from strata_jax.bench.common import matmul_rate, max_rel_diff, median_seconds, print_variant_table
 from strata_jax.bench.floors import copy_bandwidth
 from strata_jax.bench.synthetic import preset_config
@@ -55,7 +55,7 @@ def attention_args(p) -> None:
                         "kernel with that tiling), comma-separated")
     p.add_argument("--attn-qsa", action="store_true",
                    help="attention mode, prefill: a random QSA block selection of about the preset's budget per "
-                        "token (cudnn rows are left out)")
+                        "token (cudnn rows take it as their attention mask)")
 
 
 def _attend_fn(variant: str):
@@ -172,8 +172,9 @@ def _prefill_fn(variant: str, c: int):
     interpret = jax.default_backend() != "gpu"  # a CPU smoke run: the kernel's semantics, not its speed
     if variant == "jnp":
         return lambda q, k, v, st, ch, kn, vn: prefill_attention(q, k, v, st, None, ch, c)
-    if variant == "cudnn":
-        return lambda q, k, v, st, ch, kn, vn: cudnn_prefill(q, k, v, st, None, kn, vn)
+    if variant == "cudnn":  # with a QSA selection: the selection as cuDNN's mask
+        return lambda q, k, v, st, ch, kn, vn: (cudnn_prefill(q, k, v, st, None, kn, vn) if ch is None
+                                                else cudnn_prefill_selected(q, k, v, st, None, ch, c))
     if variant == "pallas":
         blocks = None
     else:
@@ -234,8 +235,6 @@ def run_prefill_attention(args) -> list[dict]:
     fills = [int(x) for x in args.attn_prefill_fills.split(",")]
     chunks = [int(x) for x in args.attn_chunks.split(",")]
     variants = args.attn_prefill_variants.split(",")
-    if args.attn_qsa:
-        variants = [v for v in variants if v != "cudnn"]  # no per-token block selection without a dense mask
     c = cfg.indexer_compress_ratio if cfg.qsa else 1
     fns = {v: _prefill_fn(v, c) for v in variants}
     need = max(fills) + max(chunks)

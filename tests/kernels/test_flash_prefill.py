@@ -16,7 +16,7 @@ from conftest import FIXTURES
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels.decode_attention import quantize_kv
 from pallas_kernels.prefill_attention import prefill_attention
-from pallas_kernels.prefill_cudnn import cudnn_prefill
+from pallas_kernels.prefill_cudnn import cudnn_prefill, cudnn_prefill_selected
 from strata_jax.model.config import PREFILL_ATTENTION_IMPLS, ConfigError, load_config
 
 
@@ -176,6 +176,33 @@ def test_cudnn_form_matches_float64():
     assert np.all(got[3] == 0) and np.abs(got[2]).max() > 0.1  # nothing seen; the prefix alone
 
 
+@pytest.mark.parametrize("block_q", [8, 64])
+def test_cudnn_selected_form_matches_float64(block_q):
+    """A QSA selection as the attention mask, in query blocks (8: three blocks, the last partial) or one call,
+    through XLA's implementation on the CPU: an empty prefix, padding tokens, slots with no real token (one with a
+    prefix, one without). XLA's
+    implementation scores every cache position, so past the filled part the cache holds finite garbage (NaN would
+    reach the output through 0 x NaN): a form reading past the mask or the limit would differ from float64."""
+    b, t, hk, g, d, s, c = 4, 21, 2, 3, 16, 128, 4
+    starts, n_valid = [0, 40, 17, 0], [21, 9, 0, 0]
+    q, k, v = _case(b, t, hk, g, d, s, starts, seed=31)
+    chosen = _chosen(starts, t, s, c, 3, seed=32)
+    want = _numpy(q, k, v, starts, n_valid, chosen, c)
+    assert not np.allclose(want, _numpy(q, k, v, starts, n_valid))  # the selection matters
+    limits = _limits(starts, n_valid, t, s)
+    k_cache, v_cache = (np.array(x) for x in (k, v))
+    for bi, lim in enumerate(limits):
+        k_cache[bi, :, lim:] += 3.0
+        v_cache[bi, :, lim:] -= 3.0
+    got = np.asarray(cudnn_prefill_selected(jnp.asarray(q, jnp.float32), jnp.asarray(k_cache, jnp.float32),
+                                            jnp.asarray(v_cache, jnp.float32), jnp.asarray(starts),
+                                            jnp.asarray(n_valid), jnp.asarray(chosen), c, block_q=block_q))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert np.all(got[3] == 0)  # nothing seen
+    assert np.abs(got[1, 9:]).max() > 0.1 and np.abs(got[2]).max() > 0.1  # padding sees the real ones, the prefix
+
+
 class _Device:
     def __init__(self, capability: str):
         self.compute_capability = capability
@@ -185,7 +212,7 @@ class _Device:
     ("9.0", jnp.bfloat16, False, False, "cudnn"),  # Hopper, where cuDNN measured 3.7-4.2x the jnp form
     ("9.0", jnp.float16, False, False, "cudnn"),
     ("9.0", jnp.float32, False, False, "jnp"),  # cuDNN's fused attention wants 16-bit operands
-    ("9.0", jnp.bfloat16, True, False, "jnp"),  # a QSA selection: no dense mask for cuDNN
+    ("9.0", jnp.bfloat16, True, False, "jnp"),  # a QSA selection: cuDNN takes it as a mask, not yet measured
     ("9.0", jnp.bfloat16, False, True, "jnp"),  # int8 / fp8 cache
     ("8.6", jnp.bfloat16, False, False, "jnp"),  # not measured there
     ("12.0", jnp.bfloat16, False, False, "jnp"),
@@ -196,6 +223,9 @@ def test_auto_takes_cudnn_for_plain_chunks_on_hopper(monkeypatch, capability, dt
     chosen = jnp.zeros((1, 20, 16), bool) if selected else None
     assert fp.resolve_prefill_impl("auto", 256, 4096, chosen, quantized, dtype) == want
     assert fp.resolve_prefill_impl("auto", 256, 4096, None, False, None) == "jnp"  # dtype unknown
+    monkeypatch.setattr(fp, "AUTO_CUDNN_SELECTED", True)
+    want_selected = "cudnn" if capability == "9.0" and dtype != jnp.float32 and not quantized else "jnp"
+    assert fp.resolve_prefill_impl("auto", 256, 4096, chosen, quantized, dtype) == want_selected
 
 
 def test_selector():
@@ -206,7 +236,7 @@ def test_selector():
     assert fp.resolve_prefill_impl("pallas", 96, 4096, None, False) == "jnp"  # not a power-of-two head dim
     assert fp.resolve_prefill_impl("pallas", 256, 32, None, False) == "jnp"  # a cache shorter than a key block
     assert fp.resolve_prefill_impl("cudnn", 256, 4096, None, False) == "cudnn"
-    assert fp.resolve_prefill_impl("cudnn", 256, 4096, chosen, False) == "jnp"  # QSA selection: no dense mask
+    assert fp.resolve_prefill_impl("cudnn", 256, 4096, chosen, False) == "cudnn"  # the selection as its mask
     assert fp.resolve_prefill_impl("cudnn", 256, 4096, None, True) == "jnp"  # int8 / fp8 cache
     with pytest.raises(ValueError, match="must be one of"):
         fp.resolve_prefill_impl("flash", 256, 4096, None, False)
@@ -242,7 +272,7 @@ def _model_through(impl, monkeypatch, name="qwen4_exp_causal"):
     """The fixture's logits from two 20-token prefill chunks (past the decode kernel's 16), the attention layers'
     prefill through ``impl``; returns (logits, want, calls of the kernel or cuDNN form)."""
     calls = []
-    for fn in ("flash_prefill", "cudnn_prefill"):
+    for fn in ("flash_prefill", "cudnn_prefill", "cudnn_prefill_selected"):
         real = getattr(fp, fn)
         monkeypatch.setattr(fp, fn, lambda *a, _real=real, _fn=fn, **kw: calls.append(_fn) or _real(*a, **kw))
     path = FIXTURES / "ckpt" / name
@@ -266,6 +296,13 @@ def test_model_through_cudnn_matches_transformers(monkeypatch):
     """qwen3_next (plain causal attention: the cuDNN form applies; XLA's implementation on the CPU)."""
     got, want, calls = _model_through("cudnn", monkeypatch, "qwen3_next")
     assert calls and set(calls) == {"cudnn_prefill"}
+    assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
+
+
+def test_model_through_cudnn_with_selection_matches_transformers(monkeypatch):
+    """qwen4_exp with its QSA indexer (budget 8 tokens at a 64-position cache): the selection as cuDNN's mask."""
+    got, want, calls = _model_through("cudnn", monkeypatch)
+    assert calls and set(calls) == {"cudnn_prefill_selected"}
     assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
 
 
@@ -298,4 +335,22 @@ def test_cudnn_on_gpu_at_flash_next_shapes():
     st = jnp.asarray(starts, jnp.int32)
     got = np.asarray(jax.jit(cudnn_prefill)(*bf, st, None, k_new, v_new), np.float32)
     ref = np.asarray(jax.jit(prefill_attention)(*bf, st), np.float32)
+    np.testing.assert_allclose(got, ref, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_cudnn_selected_on_gpu_at_flash_next_shapes():
+    """cuDNN's fused attention with a QSA selection as its mask (bf16, Flash-Next heads, a 1,500-token chunk after
+    3,000 cached tokens in query blocks of 1,024 and a partial one, padding after 1,400 tokens) against the jnp form
+    and float64 on a sample of tokens: no further from float64 than the jnp form."""
+    b, t, hk, g, d, s, starts, n_valid = 1, 1500, 2, 12, 256, 8192, [3000], [1400]
+    q, k, v = _case(b, t, hk, g, d, s, starts, seed=24)
+    chosen = _chosen(starts, t, s, 4, 512, seed=25)
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    st, n, ch = jnp.asarray(starts, jnp.int32), jnp.asarray(n_valid, jnp.int32), jnp.asarray(chosen)
+    got = np.asarray(jax.jit(cudnn_prefill_selected, static_argnums=6)(*bf, st, n, ch, 4), np.float32)
+    ref = np.asarray(jax.jit(prefill_attention, static_argnums=6)(*bf, st, n, ch, 4), np.float32)
+    sample = np.arange(0, 1400, 97)
+    want = _numpy(*(np.asarray(x, np.float64) for x in bf), starts, n_valid, chosen, 4, tokens=sample)[:, sample]
+    assert np.abs(got[:, sample] - want).mean() <= 1.5 * np.abs(ref[:, sample] - want).mean() + 1e-6
     np.testing.assert_allclose(got, ref, rtol=5e-2, atol=5e-2)
