@@ -230,15 +230,15 @@ def flash_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_
 
 PREFILL_IMPLS = ("auto", "jnp", "pallas", "cudnn")
 # Whether "auto" also sends chunks with a QSA selection to cuDNN (`prefill_cudnn.cudnn_prefill_selected`, the
-# selection as its attention mask) where it sends plain ones. Off until it measures faster than the jnp form on the
-# H200 (docs/PERF.md, "Prefill attention").
-AUTO_CUDNN_SELECTED = False
+# selection as its attention mask) where it sends plain ones: 1.33-1.54x the jnp form for a 4,096-token chunk after
+# 2K-60K cached tokens on an H100, a 20,000-token prefill 1.07x (docs/PERF.md, "Prefill attention").
+AUTO_CUDNN_SELECTED = True
 
 
 def auto_takes_cudnn() -> bool:
-    """Whether "auto" sends plain chunks to cuDNN: on Hopper GPUs (compute capability 9.x), where it measured 3.7-4.2x
-    the jnp form and 62-98% of the matmul floor at 2K-60K cached tokens (docs/PERF.md, "Prefill attention: cuDNN
-    for plain chunks, measured").
+    """Whether "auto" sends chunks to cuDNN: on Hopper GPUs (compute capability 9.x), where plain chunks measured
+    3.7-4.2x the jnp form and 62-98% of the matmul floor at 2K-60K cached tokens, chunks with a QSA selection
+    1.33-1.54x (docs/PERF.md, "Prefill attention: cuDNN, measured").
     Other GPUs keep the jnp form until measured (cuDNN's fused attention takes head dim 256 only on some)."""
     if jax.default_backend() != "gpu":
         return False
@@ -248,9 +248,9 @@ def auto_takes_cudnn() -> bool:
 def resolve_prefill_impl(impl: str, head_dim: int, ctx: int, chosen: jax.Array | None, quantized: bool,
                          dtype=None) -> str:
     """Which form `attend_prefill` runs: "auto" is cuDNN where `cudnn_applies` (bf16 / fp16, a float cache) on a GPU
-    where it was measured (`auto_takes_cudnn`), for chunks with a QSA selection only while `AUTO_CUDNN_SELECTED`,
-    else the jnp form (the Pallas kernel measured 1.2-1.8x the jnp form on causal chunks, below cuDNN; with a
-    selection or a quantized cache it is not yet measured); "pallas" the kernel where it takes the shapes
+    where it was measured (`auto_takes_cudnn`), for chunks with a QSA selection while `AUTO_CUDNN_SELECTED`, else
+    the jnp form (the Pallas kernel measured 1.2-1.8x the jnp form on causal chunks, below cuDNN; with a selection or
+    a quantized cache it is not yet measured); "pallas" the kernel where it takes the shapes
     (`kernel_supports`); "cudnn" `prefill_cudnn.cudnn_prefill` for plain causal chunks and
     `prefill_cudnn.cudnn_prefill_selected` for chunks with a selection, over a float cache; the jnp form wherever
     the choice does not apply. `dtype`: the queries' (for "auto"; None: not cuDNN)."""

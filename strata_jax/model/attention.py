@@ -248,8 +248,8 @@ class Attention(nnx.Module):
         if gathered:
             out = selected_attention(q, k_all, v_all, start, chosen, c, **scales)
         elif form != "jnp":
-            # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl; "auto" picks cuDNN for
-            # plain chunks on the GPUs where it was measured).
+            # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl; "auto" picks cuDNN, the
+            # selection as its mask, on the GPUs where it was measured).
             out = attend_prefill(q, k_all, v_all, start, chosen=None if plain else chosen, compress_ratio=c,
                                  impl=form, k_new=k, v_new=v, **scales)
         elif t > MAX_TOKENS:

@@ -20,7 +20,8 @@ _WRAPPERS = {"qwen4_exp", "qwen3_5_moe"}
 LINEAR = "linear_attention"
 ATTENTION = "full_attention"
 # How a prefill chunk's attention runs (pallas_kernels.flash_prefill.PREFILL_IMPLS; kept equal by a test): "auto"
-# (cuDNN for plain chunks on Hopper GPUs, else the jnp form), "jnp", "pallas" (the flash-style kernel), "cudnn".
+# (cuDNN on Hopper GPUs, a QSA selection as its mask; else the jnp form), "jnp", "pallas" (the flash-style kernel),
+# "cudnn".
 PREFILL_ATTENTION_IMPLS = ("auto", "jnp", "pallas", "cudnn")
 
 
