@@ -10,6 +10,7 @@ from flax import nnx
 from flax import struct
 
 from pallas_kernels.activations import silu
+from pallas_kernels.delta_chunk import chunk_scan
 from pallas_kernels.delta_rule import gated_delta_conv_decode, gated_delta_decode, split_qkv
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import DeltaNetCache
@@ -44,10 +45,12 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     return inverse
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_impl: str = "auto"):
     """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one
     (`pallas_kernels.delta_rule.recurrent_rule_jnp`; decode, verify and the replay run `gated_delta_decode`, that
-    rule from the conv output, on a GPU a kernel that reads and writes the state once)."""
+    rule from the conv output, on a GPU a kernel that reads and writes the state once). The sequential part over
+    the chunks runs as `pallas_kernels.delta_chunk.chunk_scan` (`scan_impl`: "auto" is its kernel on a GPU;
+    "pallas" off a GPU runs the kernel in interpret mode, for tests)."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
@@ -73,18 +76,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     intra = jnp.where(lower, jnp.einsum("...ik,...jk->...ij", q, k) * decay, 0.0)
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
-
-    def step(s, xs):
-        nv, kc, qd, kd, it, cd = xs
-        v_new = nv - jnp.einsum("bhck,bhkv->bhcv", kc, s)
-        out = jnp.einsum("bhck,bhkv->bhcv", qd, s) + jnp.einsum("bhcj,bhjv->bhcv", it, v_new)
-        s = s * cd + jnp.einsum("bhck,bhcv->bhkv", kd, v_new)
-        return s, out
-
-    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q_dec, k_dec, intra, chunk_decay))
-    state, out = jax.lax.scan(step, state, xs)
-    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    out, state = chunk_scan(new_values, k_cumdecay, q_dec, k_dec, intra, jnp.exp(cum[..., -1]), state,
+                            impl=scan_impl, interpret=jax.default_backend() != "gpu")
+    out = out.reshape(b, h, n * chunk, dv)[:, :, :t]
     return jnp.moveaxis(out, 1, 2), state
 
 

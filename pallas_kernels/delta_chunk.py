@@ -1,0 +1,143 @@
+"""The inter-chunk recurrence of the chunked gated delta rule (Gated DeltaNet prefill) as one Pallas kernel beside
+its jnp form.
+
+`strata_jax.model.deltanet.chunk_gated_delta_rule` prepares, for every chunk n of C tokens and every (batch, value
+head), the UT-transformed values ``u`` and keys ``w`` and the decayed ``q``, ``k`` and intra-chunk attention; what
+is left is sequential over the chunks, with the state ``S [Dk, Dv]``::
+
+    v_new = u_n - w_n @ S
+    out_n = q_n @ S + A_n @ v_new
+    S     = S * d_n + k_n^T @ v_new
+
+As an XLA scan that is ~8 small kernels per chunk (four dots, their elementwise parts, the slices of the stacked
+inputs and the carry copies): 64 chunks x 36 layers per 4,096-token prompt chunk at Flash-Next shapes, ~15% of a
+20,000-token prefill's device time on an H100 and most of its ~170,000 kernel launches (docs/PERF.md, "Prefill at
+agent-sized prompts"). Here one program owns a ``[Dk, block_v]`` column block of one head's state and walks every
+chunk with it in registers: one kernel per layer and prompt chunk.
+
+Precision: the dots run in full float32 (``Precision.HIGHEST``); XLA's scan runs them at its default precision
+(TF32 on Hopper), so the kernel is the closer of the two to a float64 recurrence.
+
+Reverse-mode differentiation (the demo trainer differentiates the model) goes through the jnp form: the kernel has
+no transpose, so its backward pass recomputes the scan's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+IMPLS = ("auto", "jnp", "pallas")
+# "auto" takes the kernel on a GPU. Flipped to False, the model's prefill runs the XLA scan again (the A/B of
+# docs/PERF.md's command).
+AUTO_PALLAS = True
+BLOCK_V = 32
+_HI = jax.lax.Precision.HIGHEST
+
+
+def chunk_scan_jnp(u, w, q, k, a, decay, state):
+    """The recurrence as an XLA scan. u [B, H, N, C, Dv], w, q, k [B, H, N, C, Dk], a [B, H, N, C, C], decay
+    [B, H, N], state [B, H, Dk, Dv]; float32. Returns (out [B, H, N, C, Dv], final state)."""
+
+    def step(s, xs):
+        u_n, w_n, q_n, k_n, a_n, d_n = xs
+        v_new = u_n - jnp.einsum("bhck,bhkv->bhcv", w_n, s)
+        out = jnp.einsum("bhck,bhkv->bhcv", q_n, s) + jnp.einsum("bhcj,bhjv->bhcv", a_n, v_new)
+        s = s * d_n[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_n, v_new)
+        return s, out
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q, k, a, decay))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(out, 0, 2), state
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def resolve_impl(impl: str, chunk: int, dk: int, dv: int) -> str:
+    """"auto": the kernel on a GPU (while `AUTO_PALLAS`) when C, Dk and Dv are powers of two of at least 16 (Triton's
+    block and dot constraints); else the jnp form."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        fits = all(_is_pow2(n) and n >= 16 for n in (chunk, dk, dv))
+        return "pallas" if AUTO_PALLAS and fits and jax.default_backend() == "gpu" else "jnp"
+    return impl
+
+
+def _dot(x, y):
+    return jax.lax.dot(x, y, precision=_HI, preferred_element_type=jnp.float32)
+
+
+def _kernel(u_ref, w_ref, q_ref, k_ref, a_ref, d_ref, s_ref, o_ref, s_out_ref, *, n_chunks, block_v):
+    row = pl.program_id(0)
+    cols = pl.ds(pl.program_id(1) * block_v, block_v)
+
+    def chunk(n, s):  # s [Dk, block_v] float32, the state block before chunk n
+        v_new = u_ref[row, n, :, cols] - _dot(w_ref[row, n], s)  # [C, block_v]
+        o_ref[row, n, :, cols] = _dot(q_ref[row, n], s) + _dot(a_ref[row, n], v_new)
+        return s * d_ref[row, n] + _dot(k_ref[row, n].T, v_new)
+
+    s_out_ref[row, :, cols] = jax.lax.fori_loop(0, n_chunks, chunk, s_ref[row, :, cols])
+
+
+def chunk_scan(u, w, q, k, a, decay, state, *, impl: str = "auto", block_v: int | None = None, num_warps: int = 4,
+               interpret: bool = False):
+    """`chunk_scan_jnp` (same arguments and results) as one kernel per call, or the jnp form by ``impl``
+    (`resolve_impl`). ``block_v``: state columns per program (default `BLOCK_V`, at most Dv); the state is updated in
+    place (the new one aliases the old one's buffer)."""
+    bsz, heads, n_chunks, c, dv = u.shape
+    dk = w.shape[-1]
+    if w.shape != (bsz, heads, n_chunks, c, dk) or q.shape != w.shape or k.shape != w.shape:
+        raise ValueError(f"w, q, k must be [B, H, N, C, Dk] = {(bsz, heads, n_chunks, c, dk)}, got {w.shape}, "
+                         f"{q.shape}, {k.shape}")
+    if a.shape != (bsz, heads, n_chunks, c, c) or decay.shape != (bsz, heads, n_chunks):
+        raise ValueError(f"a must be [B, H, N, C, C] and decay [B, H, N], got {a.shape} and {decay.shape}")
+    if state.shape != (bsz, heads, dk, dv):
+        raise ValueError(f"state must be [B, H, Dk, Dv] = {(bsz, heads, dk, dv)}, got {state.shape}")
+    if resolve_impl(impl, c, dk, dv) == "jnp":
+        return chunk_scan_jnp(u, w, q, k, a, decay, state)
+    bv = min(block_v or BLOCK_V, dv)
+    if not (_is_pow2(bv) and bv >= 16 and dv % bv == 0):
+        raise ValueError(f"block_v must be a power of two >= 16 dividing Dv = {dv}, got {bv}")
+    return _scan_kernel(u, w, q, k, a, decay, state, bv, num_warps, interpret)
+
+
+def _run_kernel(u, w, q, k, a, decay, state, block_v, num_warps, interpret):
+    bsz, heads, n_chunks, c, dv = u.shape
+    dk = w.shape[-1]
+    f32 = jnp.float32
+    rows = bsz * heads
+    flat = lambda x: x.astype(f32).reshape(rows, *x.shape[2:])  # noqa: E731
+    kwargs = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=1)}
+    out, new_state = pl.pallas_call(
+        functools.partial(_kernel, n_chunks=n_chunks, block_v=block_v),
+        grid=(rows, dv // block_v),
+        out_shape=(jax.ShapeDtypeStruct((rows, n_chunks, c, dv), f32), jax.ShapeDtypeStruct((rows, dk, dv), f32)),
+        input_output_aliases={6: 1},
+        interpret=interpret,
+        **kwargs,
+    )(flat(u), flat(w), flat(q), flat(k), flat(a), flat(decay), flat(state))
+    return out.reshape(u.shape), new_state.reshape(state.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _scan_kernel(u, w, q, k, a, decay, state, block_v, num_warps, interpret):
+    return _run_kernel(u, w, q, k, a, decay, state, block_v, num_warps, interpret)
+
+
+def _scan_kernel_fwd(u, w, q, k, a, decay, state, block_v, num_warps, interpret):
+    return _run_kernel(u, w, q, k, a, decay, state, block_v, num_warps, interpret), (u, w, q, k, a, decay, state)
+
+
+def _scan_kernel_bwd(block_v, num_warps, interpret, inputs, grads):
+    _, vjp = jax.vjp(chunk_scan_jnp, *inputs)
+    return vjp(grads)
+
+
+_scan_kernel.defvjp(_scan_kernel_fwd, _scan_kernel_bwd)

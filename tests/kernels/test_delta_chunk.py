@@ -1,0 +1,134 @@
+"""The chunked delta rule's inter-chunk recurrence (pallas_kernels.delta_chunk): the kernel in interpret mode against
+a float64 numpy recurrence and the XLA scan, the model's chunked rule through it against the token-by-token numpy
+rule, the Triton lowering without a GPU, and the compiled kernel on a GPU at Flash-Next shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import delta_chunk
+from pallas_kernels.delta_chunk import chunk_scan, chunk_scan_jnp
+from strata_jax.model.deltanet import chunk_gated_delta_rule
+
+
+def _numpy_scan(u, w, q, k, a, decay, state):
+    u, w, q, k, a, decay, s = (np.asarray(x, np.float64) for x in (u, w, q, k, a, decay, state))
+    out = np.zeros(u.shape)
+    for n in range(u.shape[2]):
+        v_new = u[:, :, n] - np.einsum("bhck,bhkv->bhcv", w[:, :, n], s)
+        out[:, :, n] = np.einsum("bhck,bhkv->bhcv", q[:, :, n], s) + np.einsum("bhcj,bhjv->bhcv", a[:, :, n], v_new)
+        s = s * decay[:, :, n][..., None, None] + np.einsum("bhck,bhcv->bhkv", k[:, :, n], v_new)
+    return out, s
+
+
+def _scan_inputs(b, h, n, c, dk, dv, seed):
+    rng = np.random.default_rng(seed)
+    small = lambda *shape: rng.normal(0.0, 0.1, size=shape)  # noqa: E731
+    u, w, q, k = small(b, h, n, c, dv), small(b, h, n, c, dk), small(b, h, n, c, dk), small(b, h, n, c, dk)
+    a = np.tril(small(b, h, n, c, c))
+    decay = rng.uniform(0.5, 1.0, size=(b, h, n))
+    state = rng.normal(size=(b, h, dk, dv))
+    return [x.astype(np.float32) for x in (u, w, q, k, a, decay, state)]
+
+
+@pytest.mark.parametrize("b,h,n,c,dk,dv,block_v", [
+    (2, 3, 5, 16, 16, 32, 16),  # two column blocks per head
+    (1, 2, 1, 32, 32, 16, None),  # one chunk; block_v defaults to Dv
+])
+def test_kernel_matches_numpy_and_the_scan(b, h, n, c, dk, dv, block_v):
+    args = _scan_inputs(b, h, n, c, dk, dv, seed=n + c)
+    want_out, want_state = _numpy_scan(*args)
+    out, state = chunk_scan(*map(jnp.asarray, args), impl="pallas", block_v=block_v, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state), want_state, rtol=1e-5, atol=1e-5)
+    ref_out, ref_state = chunk_scan_jnp(*map(jnp.asarray, args))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state), np.asarray(ref_state), rtol=1e-5, atol=1e-5)
+
+
+def _rule_numpy(q, k, v, g, beta, state):
+    s = state.astype(np.float64).copy()
+    out = np.zeros(v.shape, np.float64)
+    for t in range(q.shape[1]):
+        s *= np.exp(g[:, t])[..., None, None]
+        delta = (v[:, t] - np.einsum("bhkv,bhk->bhv", s, k[:, t])) * beta[:, t][..., None]
+        s += k[:, t][..., :, None] * delta[..., None, :]
+        out[:, t] = np.einsum("bhkv,bhk->bhv", s, q[:, t])
+    return out, s
+
+
+def test_chunked_rule_through_the_kernel_matches_numpy():
+    """150 tokens in chunks of 64 (the last padded) from a non-zero state, the recurrence in the kernel."""
+    b, t, h, dk, dv = 2, 150, 2, 16, 32
+    rng = np.random.default_rng(5)
+    norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = norm(rng.normal(size=(b, t, h, dk))) * dk**-0.5
+    k = norm(rng.normal(size=(b, t, h, dk)))
+    v = rng.normal(size=(b, t, h, dv))
+    g = -rng.uniform(0.0, 0.5, size=(b, t, h))
+    beta = rng.uniform(0, 1, size=(b, t, h))
+    state = rng.normal(size=(b, h, dk, dv))
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, state)]
+    want_out, want_state = _rule_numpy(q, k, v, g, beta, state)
+    out, new_state = jax.jit(lambda *a: chunk_gated_delta_rule(*a, scan_impl="pallas"))(*args)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(new_state), want_state, rtol=2e-4, atol=2e-4)
+
+
+def test_gradient_goes_through_the_jnp_form():
+    """The demo trainer differentiates the model: the kernel's backward pass is the XLA scan's."""
+    args = [jnp.asarray(x) for x in _scan_inputs(1, 2, 3, 16, 16, 16, seed=9)]
+
+    def loss(impl):
+        return lambda *a: sum(jnp.sum(jnp.sin(x)) for x in chunk_scan(*a, impl=impl, interpret=True))
+
+    got = jax.grad(loss("pallas"), argnums=tuple(range(7)))(*args)
+    want = jax.grad(loss("jnp"), argnums=tuple(range(7)))(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(got[0]).max()) > 0
+
+
+def test_impl_choice_and_bad_shapes(monkeypatch):
+    assert delta_chunk.resolve_impl("auto", 64, 128, 128) == "jnp"  # no GPU here
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert delta_chunk.resolve_impl("auto", 64, 128, 128) == "pallas"
+    assert delta_chunk.resolve_impl("auto", 64, 96, 128) == "jnp"  # not a power of two
+    assert delta_chunk.resolve_impl("auto", 8, 128, 128) == "jnp"  # below Triton's 16-wide dots
+    monkeypatch.setattr(delta_chunk, "AUTO_PALLAS", False)
+    assert delta_chunk.resolve_impl("auto", 64, 128, 128) == "jnp"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        delta_chunk.resolve_impl("triton", 64, 128, 128)
+    args = [jnp.asarray(x) for x in _scan_inputs(1, 2, 3, 16, 16, 32, seed=0)]
+    with pytest.raises(ValueError, match="block_v"):
+        chunk_scan(*args, impl="pallas", block_v=24, interpret=True)
+    with pytest.raises(ValueError, match=r"decay \[B, H, N\]"):
+        chunk_scan(*args[:5], args[5][..., :2], args[6], impl="pallas", interpret=True)
+
+
+def test_lowers_to_one_triton_kernel_without_a_gpu():
+    """Flash-Next's shapes (48 value heads, Dk = Dv = 128, a 4,096-token chunk in 64 chunks of 64) through the
+    Pallas -> Triton lowering, which interpret mode skips."""
+    sd = jax.ShapeDtypeStruct
+    b, h, n, c, d = 1, 48, 64, 64, 128
+    shapes = [sd((b, h, n, c, d), jnp.float32)] * 4 + [sd((b, h, n, c, c), jnp.float32), sd((b, h, n), jnp.float32),
+                                                       sd((b, h, d, d), jnp.float32)]
+    f = jax.jit(lambda *a: chunk_scan(*a, impl="pallas"))
+    text = f.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+def test_kernel_on_gpu_at_flash_next_shapes():
+    """The compiled kernel against float64: no further from it than the XLA scan (which runs its dots at XLA's
+    default precision)."""
+    args = _scan_inputs(1, 48, 16, 64, 128, 128, seed=3)
+    want_out, want_state = _numpy_scan(*args)
+    dev = [jnp.asarray(x) for x in args]
+    out, state = jax.jit(lambda *a: chunk_scan(*a, impl="pallas"))(*dev)
+    ref_out, ref_state = jax.jit(chunk_scan_jnp)(*dev)
+    err = np.abs(np.asarray(out) - want_out).max()
+    ref_err = np.abs(np.asarray(ref_out) - want_out).max()
+    assert err <= ref_err + 1e-5, (err, ref_err)
+    assert np.abs(np.asarray(state) - want_state).max() <= np.abs(np.asarray(ref_state) - want_state).max() + 1e-5
