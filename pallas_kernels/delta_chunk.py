@@ -32,9 +32,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 IMPLS = ("auto", "jnp", "pallas")
-# "auto" takes the kernel on a GPU. Flipped to False, the model's prefill runs the XLA scan again (the A/B of
-# docs/PERF.md's command).
-AUTO_PALLAS = True
+# Whether "auto" takes the kernel on a GPU: off until it measures faster than the XLA scan in a prefill on the device
+# (docs/PERF.md, "Prefill at agent-sized prompts"; the A/B sets it in each process).
+AUTO_PALLAS = False
 BLOCK_V = 32
 _HI = jax.lax.Precision.HIGHEST
 

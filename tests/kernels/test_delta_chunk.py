@@ -93,6 +93,7 @@ def test_gradient_goes_through_the_jnp_form():
 def test_impl_choice_and_bad_shapes(monkeypatch):
     assert delta_chunk.resolve_impl("auto", 64, 128, 128) == "jnp"  # no GPU here
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(delta_chunk, "AUTO_PALLAS", True)
     assert delta_chunk.resolve_impl("auto", 64, 128, 128) == "pallas"
     assert delta_chunk.resolve_impl("auto", 64, 96, 128) == "jnp"  # not a power of two
     assert delta_chunk.resolve_impl("auto", 8, 128, 128) == "jnp"  # below Triton's 16-wide dots
