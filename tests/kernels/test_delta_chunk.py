@@ -1,6 +1,6 @@
 """The chunked delta rule's inter-chunk recurrence (pallas_kernels.delta_chunk): the kernel in interpret mode against
-a float64 numpy recurrence and the XLA scan, the model's chunked rule through it against the token-by-token numpy
-rule, the Triton lowering without a GPU, and the compiled kernel on a GPU at Flash-Next shapes."""
+a float64 numpy recurrence and the XLA scan, its gradient, the Triton lowering without a GPU, and the compiled kernel
+on a GPU at Flash-Next shapes. (The model's chunked rule through the kernel: test_deltanet_rule.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,6 @@ import pytest
 
 from pallas_kernels import delta_chunk
 from pallas_kernels.delta_chunk import chunk_scan, chunk_scan_jnp
-from strata_jax.model.deltanet import chunk_gated_delta_rule
 
 
 def _numpy_scan(u, w, q, k, a, decay, state):
@@ -45,35 +44,6 @@ def test_kernel_matches_numpy_and_the_scan(b, h, n, c, dk, dv, block_v):
     ref_out, ref_state = chunk_scan_jnp(*map(jnp.asarray, args))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(state), np.asarray(ref_state), rtol=1e-5, atol=1e-5)
-
-
-def _rule_numpy(q, k, v, g, beta, state):
-    s = state.astype(np.float64).copy()
-    out = np.zeros(v.shape, np.float64)
-    for t in range(q.shape[1]):
-        s *= np.exp(g[:, t])[..., None, None]
-        delta = (v[:, t] - np.einsum("bhkv,bhk->bhv", s, k[:, t])) * beta[:, t][..., None]
-        s += k[:, t][..., :, None] * delta[..., None, :]
-        out[:, t] = np.einsum("bhkv,bhk->bhv", s, q[:, t])
-    return out, s
-
-
-def test_chunked_rule_through_the_kernel_matches_numpy():
-    """150 tokens in chunks of 64 (the last padded) from a non-zero state, the recurrence in the kernel."""
-    b, t, h, dk, dv = 2, 150, 2, 16, 32
-    rng = np.random.default_rng(5)
-    norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q = norm(rng.normal(size=(b, t, h, dk))) * dk**-0.5
-    k = norm(rng.normal(size=(b, t, h, dk)))
-    v = rng.normal(size=(b, t, h, dv))
-    g = -rng.uniform(0.0, 0.5, size=(b, t, h))
-    beta = rng.uniform(0, 1, size=(b, t, h))
-    state = rng.normal(size=(b, h, dk, dv))
-    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, state)]
-    want_out, want_state = _rule_numpy(q, k, v, g, beta, state)
-    out, new_state = jax.jit(lambda *a: chunk_gated_delta_rule(*a, scan_impl="pallas"))(*args)
-    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-4, atol=2e-4)
-    np.testing.assert_allclose(np.asarray(new_state), want_state, rtol=2e-4, atol=2e-4)
 
 
 def test_gradient_goes_through_the_jnp_form():

@@ -23,8 +23,8 @@ def _numpy_rule(q, k, v, g, beta, state):
     return out, s
 
 
-def _inputs(t, seed):
-    b, h, dk, dv = 2, 3, 8, 5
+def _inputs(t, seed, dk=8, dv=5):
+    b, h = 2, 3
     rng = np.random.default_rng(seed)
     norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q = norm(rng.normal(size=(b, t, h, dk))) * dk**-0.5
@@ -42,6 +42,16 @@ def test_rule_matches_numpy(rule, t):
     args = _inputs(t, seed=t)
     want_out, want_state = _numpy_rule(*args)
     out, state = jax.jit(rule)(*args)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(state), want_state, rtol=2e-4, atol=2e-4)
+
+
+def test_chunked_rule_through_the_scan_kernel_matches_numpy():
+    """150 tokens in chunks of 64 (the last padded), the inter-chunk recurrence in `pallas_kernels.delta_chunk`'s
+    kernel (interpret mode; Triton wants power-of-two head dims of at least 16)."""
+    args = _inputs(150, seed=5, dk=16, dv=32)
+    want_out, want_state = _numpy_rule(*args)
+    out, state = jax.jit(lambda *a: chunk_gated_delta_rule(*a, scan_impl="pallas"))(*args)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(state), want_state, rtol=2e-4, atol=2e-4)
 
