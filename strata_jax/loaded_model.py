@@ -251,7 +251,7 @@ def load_model(
     prefill_attention: how prefill chunks attend (`ModelConfig.prefill_attention_impl`: "auto", "jnp", "pallas" the
     flash-style kernel, "cudnn"; pallas_kernels.flash_prefill.resolve_prefill_impl).
     fused_decode: decode and verify calls of <= 16 tokens run the fused Pallas kernels on a GPU
-    (`strata_jax.model.decoder.enable_fused_decode`; off by default until measured).
+    (`strata_jax.model.decoder.enable_fused_decode`; off by default: slower in the step, docs/PERF.md).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

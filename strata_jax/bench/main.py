@@ -495,8 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--fused-decode", action="store_true",
                       help="calls of at most 16 tokens run the MoE router and shared expert, and each Gated "
                            "DeltaNet's conv + delta rule, as fused Pallas kernels (strata_jax.model.decoder."
-                           "enable_fused_decode; off by default: not yet measured, docs/PERF.md \"Fused decode "
-                           "kernels\")")
+                           "enable_fused_decode; off by default: 1.25x slower in the step on an H100, docs/PERF.md "
+                           "\"Fused decode kernels\")")
     users_args(p.add_argument_group("users mode (--model-dir, --dtype, --prefill-chunks also prefill; --routing, "
                                     "--zipf-s, --vram-reserve-mib also tier)"))
     tier_args(p.add_argument_group("tier mode"))

@@ -303,8 +303,8 @@ def enable_fused_decode(model: nnx.Module) -> int:
     tokens (decode, verify windows), every MoE block's router (`pallas_kernels.fused_router`) and shared expert (two
     `pallas_kernels.fused_matvec`s), and every Gated DeltaNet's conv + delta rule (`gated_delta_conv_decode`), run
     as Pallas kernels on a GPU and as the XLA path elsewhere. Results equal the XLA path up to the order of float32
-    sums. Off by default until the device measures it. Call it before the model is split (the switch is part of
-    the graph). Returns how many modules were switched."""
+    sums. Off by default: 1.25x slower in the decode step on an H100 (docs/PERF.md). Call it before the model is
+    split (the switch is part of the graph). Returns how many modules were switched."""
     modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, (SparseMoe, GatedDeltaNet))]
     for module in modules:
         module.fused_decode = True
