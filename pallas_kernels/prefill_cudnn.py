@@ -17,8 +17,9 @@ A chunk with a QSA selection (`cudnn_prefill_selected`) is one call per block of
 selection goes in as cuDNN's attention bias, built from the per-token mask (`prefill_attention.dense_mask`: causal,
 the selected complete blocks, the incomplete tail), one [B, 1, block_q, S] mask shared by every head (the selection
 is per token, not per head), and ``key_value_seq_lengths`` stops each call's key loop at its last query's position.
-Queries go in blocks so that the mask stays ~128 MB at S = 65,536 and the causal waste inside a call (keys past a
-query's position are masked, not skipped) stays within one block. Quantized caches are not taken (cuDNN's fp8
+Queries go in blocks (`selected_block_q`: 1,024 per slot at S = 65,536, fewer for more slots or longer caches) so
+that the mask stays within `MASK_BYTES` and the causal waste inside a call (keys past a query's position are masked,
+not skipped) within one block. Quantized caches are not taken (cuDNN's fp8
 attention wants its own scaling); callers fall back to the other forms there
 (`pallas_kernels.flash_prefill.attend_prefill`).
 cuDNN needs bf16 or fp16 operands on a GPU; elsewhere (CPU tests, float32) JAX's XLA implementation runs the same two
@@ -32,8 +33,21 @@ import jax.numpy as jnp
 
 from pallas_kernels.prefill_attention import dense_mask
 
-# Queries per cuDNN call of a selected chunk: its [B, 1, BLOCK_Q, S] bf16 mask is 128 MB per slot at S = 65,536.
+# Queries per cuDNN call of a selected chunk, at most: its [B, 1, block_q, S] mask (bool, then bf16: 3 bytes per
+# entry) is 192 MiB per slot at S = 65,536. Fewer (down to MIN_BLOCK_Q) where B x S would take the mask past
+# MASK_BYTES, which stays below what the planner counts for the jnp form's scores (engine/planner.py, `_workspace`).
 BLOCK_Q = 1024
+MIN_BLOCK_Q = 128
+MASK_BYTES = 256 * 2**20
+
+
+def selected_block_q(bsz: int, s: int) -> int:
+    """Queries per call of `cudnn_prefill_selected` for B slots over an S-position cache: the largest power of two
+    up to `BLOCK_Q` whose mask fits `MASK_BYTES`, but at least `MIN_BLOCK_Q`."""
+    block = BLOCK_Q
+    while block > MIN_BLOCK_Q and bsz * block * s * 3 > MASK_BYTES:
+        block //= 2
+    return block
 
 
 def cudnn_applies(dtype, quantized: bool) -> bool:
@@ -85,17 +99,18 @@ def cudnn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_
 
 
 def cudnn_prefill_selected(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_valid: jax.Array | None,
-                           chosen: jax.Array, compress_ratio: int, *, block_q: int = BLOCK_Q) -> jax.Array:
+                           chosen: jax.Array, compress_ratio: int, *, block_q: int | None = None) -> jax.Array:
     """`prefill_attention.prefill_attention` of a chunk with a QSA selection, through
     `jax.nn.dot_product_attention` with the selection as a mask (module docstring): q [B, T, Hk, G, D] at positions
     ``start[b] + t``; k, v [B, Hk, S, D] the cache with the chunk's keys and values already written; ``n_valid`` [B]
     (default T); ``chosen`` [B, T, S // compress_ratio]. Returns [B, T, Hk, G, D] in q's dtype; a token that sees
     no position gets zeros. ``implementation="cudnn"`` for bf16 / fp16 on a GPU, XLA's otherwise (dense scores:
-    for tests)."""
+    for tests). ``block_q``: queries per call (default `selected_block_q`)."""
     bsz, t, kv_heads, group, d = q.shape
     s = k.shape[2]
     if k.shape != (bsz, kv_heads, s, d) or v.shape != k.shape:
         raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
+    block_q = selected_block_q(bsz, s) if block_q is None else block_q
     if compress_ratio < 1 or s % compress_ratio or chosen.shape != (bsz, t, s // compress_ratio):
         raise ValueError(f"chosen must be [B, T, S // compress_ratio] = {(bsz, t, s // max(compress_ratio, 1))} with "
                          f"S a whole number of blocks of {compress_ratio}, got {chosen.shape}")

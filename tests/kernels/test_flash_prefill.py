@@ -16,7 +16,7 @@ from conftest import FIXTURES
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels.decode_attention import quantize_kv
 from pallas_kernels.prefill_attention import prefill_attention
-from pallas_kernels.prefill_cudnn import cudnn_prefill, cudnn_prefill_selected
+from pallas_kernels.prefill_cudnn import cudnn_prefill, cudnn_prefill_selected, selected_block_q
 from strata_jax.model.config import PREFILL_ATTENTION_IMPLS, ConfigError, load_config
 
 
@@ -201,6 +201,15 @@ def test_cudnn_selected_form_matches_float64(block_q):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert np.all(got[3] == 0)  # nothing seen
     assert np.abs(got[1, 9:]).max() > 0.1 and np.abs(got[2]).max() > 0.1  # padding sees the real ones, the prefix
+
+
+def test_selected_block_q_bounds_the_mask():
+    assert selected_block_q(1, 65536) == 1024  # 192 MiB of mask
+    assert selected_block_q(4, 65536) == 256
+    assert selected_block_q(4, 262144) == 128  # the floor: more calls would cost more than the mask saves
+    for b, s in [(1, 4096), (2, 65536), (8, 31744)]:
+        block = selected_block_q(b, s)
+        assert block & (block - 1) == 0 and (b * block * s * 3 <= 256 * 2**20 or block == 128)
 
 
 class _Device:
