@@ -19,11 +19,11 @@ the selected complete blocks, the incomplete tail), one [B, 1, block_q, S] mask 
 is per token, not per head), and ``key_value_seq_lengths`` stops each call's key loop at its last query's position.
 Queries go in blocks (`selected_block_q`: 1,024 per slot at S = 65,536, fewer for more slots or longer caches) so
 that the mask stays within `MASK_BYTES` and the causal waste inside a call (keys past a query's position are masked,
-not skipped) within one block. Quantized caches are not taken (cuDNN's fp8
-attention wants its own scaling); callers fall back to the other forms there
-(`pallas_kernels.flash_prefill.attend_prefill`).
-cuDNN needs bf16 or fp16 operands on a GPU; elsewhere (CPU tests, float32) JAX's XLA implementation runs the same two
-calls (dense scores: for tests, not for long contexts).
+not skipped) within one block.
+
+Quantized caches are not taken (cuDNN's fp8 attention wants its own scaling); callers fall back to the other forms
+there (`pallas_kernels.flash_prefill.attend_prefill`). cuDNN needs bf16 or fp16 operands on a GPU; elsewhere (CPU
+tests, float32) JAX's XLA implementation runs the same calls (dense scores: for tests, not for long contexts).
 """
 
 from __future__ import annotations
