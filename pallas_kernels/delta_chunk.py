@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.delta_rule import is_pow2
+
 IMPLS = ("auto", "jnp", "pallas")
 # Whether "auto" takes the kernel on a GPU: off until it measures faster than the XLA scan in a prefill on the device
 # (docs/PERF.md, "Prefill at agent-sized prompts"; the A/B sets it in each process).
@@ -55,17 +57,13 @@ def chunk_scan_jnp(u, w, q, k, a, decay, state):
     return jnp.moveaxis(out, 0, 2), state
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def resolve_impl(impl: str, chunk: int, dk: int, dv: int) -> str:
     """"auto": the kernel on a GPU (while `AUTO_PALLAS`) when C, Dk and Dv are powers of two of at least 16 (Triton's
     block and dot constraints); else the jnp form."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        fits = all(_is_pow2(n) and n >= 16 for n in (chunk, dk, dv))
+        fits = all(is_pow2(n) and n >= 16 for n in (chunk, dk, dv))
         return "pallas" if AUTO_PALLAS and fits and jax.default_backend() == "gpu" else "jnp"
     return impl
 
@@ -103,7 +101,7 @@ def chunk_scan(u, w, q, k, a, decay, state, *, impl: str = "auto", block_v: int 
     if resolve_impl(impl, c, dk, dv) == "jnp":
         return chunk_scan_jnp(u, w, q, k, a, decay, state)
     bv = min(block_v or BLOCK_V, dv)
-    if not (_is_pow2(bv) and bv >= 16 and dv % bv == 0):
+    if not (is_pow2(bv) and bv >= 16 and dv % bv == 0):
         raise ValueError(f"block_v must be a power of two >= 16 dividing Dv = {dv}, got {bv}")
     return _scan_kernel(u, w, q, k, a, decay, state, bv, num_warps, interpret)
 

@@ -68,7 +68,8 @@ def recurrent_rule_jnp(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 1), state
 
 
-def _is_pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
+    """Whether n is a positive power of two (Triton block sides must be)."""
     return n > 0 and n & (n - 1) == 0
 
 
@@ -77,7 +78,7 @@ def resolve_impl(impl: str, dk: int, dv: int) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and _is_pow2(dk) and _is_pow2(dv) else "jnp"
+        return "pallas" if jax.default_backend() == "gpu" and is_pow2(dk) and is_pow2(dv) else "jnp"
     return impl
 
 
@@ -134,7 +135,7 @@ def gated_delta_decode(qkv, g, beta, state, *, k_heads: int, impl: str = "auto",
     if resolve_impl(impl, k_dim, v_dim) == "jnp":
         return recurrent_rule_jnp(*split_qkv(qkv, k_heads, v_heads, k_dim, v_dim), g, beta, state)
     bv = min(block_v or default_block_v(t), v_dim)
-    if not (_is_pow2(k_dim) and _is_pow2(bv) and v_dim % bv == 0):
+    if not (is_pow2(k_dim) and is_pow2(bv) and v_dim % bv == 0):
         raise ValueError(f"the Pallas delta rule needs a power-of-two Dk and a power-of-two block_v dividing Dv, "
                          f"got Dk={k_dim}, Dv={v_dim}, block_v={bv}")
     f32 = jnp.float32
@@ -262,7 +263,7 @@ def gated_delta_conv_decode(qkv_in, conv_state, conv_weight, g, beta, state, n_v
         raise ValueError(f"qkv has {channels} channels; {k_heads} key heads of {k_dim} and {v_heads} value heads of "
                          f"{v_dim} need {2 * k_heads * k_dim + v_heads * v_dim} (and Hv a multiple of Hk)")
     bv = min(block_v or default_block_v(t), v_dim)
-    if not (_is_pow2(k_dim) and _is_pow2(bv) and v_dim % bv == 0) or kernel < 2:
+    if not (is_pow2(k_dim) and is_pow2(bv) and v_dim % bv == 0) or kernel < 2:
         raise ValueError(f"the Pallas conv + delta rule needs a power-of-two Dk, a power-of-two block_v dividing Dv "
                          f"and a conv kernel of at least 2, got Dk={k_dim}, Dv={v_dim}, block_v={bv}, "
                          f"kernel={kernel}")
