@@ -64,7 +64,8 @@ def agents_args(p: argparse.ArgumentParser) -> None:
                    help="EngineConfig.prefill_burst_ms (default the engine's: 400; 0 = off); several: as "
                         "--decode-share (every combination of the three lists)")
     g.add_argument("--prefix-cache-device-mib", type=int, default=0,
-                   help="EngineConfig.prefix_cache_device_mib: device memory for recent snapshots (default 0)")
+                   help="EngineConfig.prefix_cache_device_mib: device memory for recent snapshots (default 0; cut "
+                        "after warm-up to what fits beside the largest step's workspace)")
     g.add_argument("--share-min-tokens", type=int, default=None,
                    help="EngineConfig.share_min_tokens (default the engine's: 1024)")
     g.add_argument("--snapshot-every", type=int, default=None,

@@ -30,7 +30,8 @@ class EngineConfig:
     this many prompts that need a chunk of the same size share a step, in power-of-two groups (each group size is
     compiled for each chunk size). 1 = one prompt per call.
     prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it). prefix_cache_device_mib: device memory
-    for the most recently used snapshots (restored device to device; the others go to the host; 0 = none).
+    for the most recently used snapshots (restored device to device; the others go to the host; 0 = none); the
+    engine cuts it after warm-up to what the device holds beside its largest step's workspace.
     snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
     draft: speculative drafter for every slot: "none", "ngram" (prompt lookup) or "mtp" (the checkpoint's own MTP
     head, chained draft_k times inside each step); draft_k: the most tokens guessed per step for a slot, at most

@@ -22,6 +22,7 @@ from strata_jax.engine.drafters import Drafter, make_drafter
 from strata_jax.engine.job import Job
 from strata_jax.engine.output import OutputProcessor
 from strata_jax.engine.placement import ExpertPlacement, PlacementConfig
+from strata_jax.engine.planner import device_memory, snapshot_pool_bytes
 from strata_jax.engine.scheduler import Scheduler
 from strata_jax.engine.runner import ModelRunner, RunnerModel
 from strata_jax.model.cache import cache_bytes
@@ -83,6 +84,7 @@ class Engine:
                 self._constraint_compiler()
             except Exception as exc:  # noqa: BLE001 - the engine serves without; constrained requests get the error
                 print(f"constrained decoding unavailable: {exc}", file=sys.stderr, flush=True)
+        self._fit_snapshot_pool()
         self._output.start()
         self._scheduler.start()
         width, prompts = self._scheduler.policy.mixed
@@ -126,6 +128,17 @@ class Engine:
         if not self._started:
             return False, "the engine is not started"
         return (not self._unavailable), self._unavailable
+
+    def _fit_snapshot_pool(self) -> None:
+        """Cuts the prefix cache's device pool to what the device has beside the largest compiled step, measured
+        now that every step is compiled and the persistent arrays are allocated (`snapshot_pool_bytes`)."""
+        cache = self._scheduler.prefix_cache
+        if cache.device_budget <= 0:
+            return
+        fits, why = snapshot_pool_bytes(cache.device_budget, device_memory(), self._runner.largest_workspace_bytes())
+        if why is not None:
+            cache.device_budget = fits
+            print(f"engine: {why}", file=sys.stderr, flush=True)
 
     def _warm_up_host_tier(self) -> float:
         """Compiles the host experts' shapes (up to every row a step can route to one expert); returns seconds."""

@@ -355,6 +355,27 @@ def _workspace(cfg: ModelConfig, engine: EngineConfig, act_bytes: int, layer_slo
     return Workspace(f"{what} x {_slots(engine.slots)} at {engine.max_context} ctx", tuple(decode))
 
 
+SNAPSHOT_POOL_MARGIN = 1 << 30  # left beside the largest step's workspace: the drafter, cuBLAS, fragmentation
+
+
+def snapshot_pool_bytes(requested: int, memory: DeviceMemory | None, workspace: int | None,
+                        margin: int = SNAPSHOT_POOL_MARGIN) -> tuple[int, str | None]:
+    """The prefix cache's device pool that fits beside the compiled steps, measured after warm-up: at most the
+    allocator's free bytes less the largest step's temporary allocation (`workspace`) and `margin`. Returns (bytes,
+    why it was cut, or None). A pool sized from a plan, or given by hand, can be too large for the process's
+    allocator: under XLA's VMM allocator (stable-scratch command buffers) the limit is 75% of the card whatever the
+    plan assumed, and a pool grown into a step's workspace fails that step for every user. Unknown memory (CPU, no
+    statistics) or workspace: the request stands."""
+    if requested <= 0 or memory is None or workspace is None:
+        return requested, None
+    fits = max(0, memory.free - workspace - margin)
+    if requested <= fits:
+        return requested, None
+    return fits, (f"prefix cache device pool cut from {requested / MIB:,.0f} to {fits / MIB:,.0f} MiB: the allocator "
+                  f"has {memory.free / MIB:,.0f} MiB free after warm-up, the largest step needs "
+                  f"{workspace / MIB:,.0f} MiB of workspace and {margin / MIB:,.0f} MiB stay spare")
+
+
 def _format_name(quant: ExpertQuantization | None, dtype_name: str) -> str:
     if quant is None:
         return f"dense {dtype_name}"

@@ -394,6 +394,17 @@ class ModelRunner:
                 key = (name, width, batch)
                 self.step_seconds[key] = min(took, self.step_seconds.get(key, took))
 
+    def largest_workspace_bytes(self) -> int | None:
+        """The largest temporary allocation among the compiled steps (XLA's `memory_analysis()`), None before
+        warm-up or where the backend does not report it: the memory a step needs beyond the persistent arrays."""
+        sizes = []
+        for compiled in self._compiled.values():
+            try:
+                sizes.append(int(compiled.memory_analysis().temp_size_in_bytes))
+            except (AttributeError, NotImplementedError, RuntimeError, TypeError):
+                continue
+        return max(sizes) if sizes else None
+
     def warm_up(self, after_step: Callable[[str], None] | None = None) -> float:
         """Compiles every step function ahead of time, in parallel, then runs each once (the first call of an
         executable has its own costs). `after_step(name)` is called after each of those runs, as the owner calls

@@ -307,6 +307,9 @@ class CountersDonated:
     def as_text(self) -> str:
         return self.fn.as_text()
 
+    def memory_analysis(self):
+        return self.fn.memory_analysis()
+
 
 def jit_step_donating_counts(step: Callable, graphdef, state: nnx.State, mtp_k: int = 0) -> CountersDonated:
     """`jit_step` (flat weights) with the routing counters donated as well as the cache: their outputs then reuse

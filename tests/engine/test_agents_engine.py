@@ -15,6 +15,8 @@ import strata_jax
 from conftest import FIXTURES
 from engine_helpers import collect, greedy, random_prompt, tokens
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from strata_jax.engine import engine as engine_module
+from strata_jax.engine.planner import SNAPSHOT_POOL_MARGIN, DeviceMemory
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +197,21 @@ def test_clearing_the_prefix_cache_drops_every_snapshot(engine, model):
     again = longer + random_prompt(352, 4)
     assert tokens(asyncio.run(collect(engine, again, max_tokens=3))) == greedy(model, again, 3)
     assert engine.stats()["prefix_cache_hit_tokens_total"] == before
+
+
+def test_the_device_snapshot_pool_is_cut_to_what_fits_beside_the_largest_step(engine, monkeypatch, capsys):
+    """After warm-up the engine measures its largest step's workspace (XLA's memory_analysis, reported on the CPU
+    too) and cuts a device snapshot pool that the allocator's free memory cannot hold beside it: an H100 run whose
+    pool grew into a 4-prompt prefill's 19.6 GB workspace failed that step for every user (docs/perf-log.md)."""
+    workspace = engine._runner.largest_workspace_bytes()
+    assert workspace is not None and workspace > 0
+    cache = engine._scheduler.prefix_cache
+    free = workspace + SNAPSHOT_POOL_MARGIN + (3 << 20)
+    monkeypatch.setattr(engine_module, "device_memory", lambda: DeviceMemory(free + 100, 100, "test"))
+    monkeypatch.setattr(cache, "device_budget", 64 << 20)
+    engine._fit_snapshot_pool()
+    assert cache.device_budget == 3 << 20
+    assert "prefix cache device pool cut from 64 to 3 MiB" in capsys.readouterr().err
+    monkeypatch.setattr(cache, "device_budget", 2 << 20)  # fits: left as asked
+    engine._fit_snapshot_pool()
+    assert cache.device_budget == 2 << 20 and "cut" not in capsys.readouterr().err

@@ -23,6 +23,7 @@ from strata_jax.engine.planner import (
     device_memory,
     format_plan,
     make_plan,
+    snapshot_pool_bytes,
 )
 from strata_jax.model.cache import cache_bytes, init_cache
 from strata_jax.bench.synthetic import preset_config
@@ -193,6 +194,24 @@ def test_device_budget_and_allocator_env(flash):
     assert capped.budget == 24 * GIB and "more than that" in capped.budget_source
     # Explicit budget, card unknown: only turn preallocation off.
     assert allocator_env(plan_at(flash, 24)) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def test_the_snapshot_pool_fits_beside_the_largest_workspace():
+    """The numbers of the H100 run that failed (docs/perf-log.md, 2026-12-06): a 59.4 GiB allocator (VMM, 75% of the
+    card), 45.6 GB in use when the step failed of which 8 GiB the full pool, a 19.6 GB prefill workspace: the pool
+    that fits beside it is 5,819 MiB."""
+    h100 = DeviceMemory(limit=63_763_120_128, in_use=45_579_501_568 - 8 * GIB, source="H100 under the VMM allocator")
+    fits, why = snapshot_pool_bytes(8 * GIB, h100, 19_597_885_440)
+    assert fits == 63_763_120_128 - (45_579_501_568 - 8 * GIB) - 19_597_885_440 - GIB
+    assert "cut from 8,192 to 5,819 MiB" in why
+    roomy = DeviceMemory(limit=100 * GIB, in_use=40 * GIB, source="fake")
+    fits, why = snapshot_pool_bytes(8 * GIB, roomy, 20 * GIB)
+    assert (fits, why) == (8 * GIB, None)
+    fits, why = snapshot_pool_bytes(64 * GIB, roomy, 20 * GIB, margin=GIB)
+    assert fits == 39 * GIB and "20,480 MiB of workspace" in why
+    assert snapshot_pool_bytes(8 * GIB, None, 20 * GIB) == (8 * GIB, None)  # CPU: no statistics
+    assert snapshot_pool_bytes(8 * GIB, roomy, None) == (8 * GIB, None)
+    assert snapshot_pool_bytes(0, roomy, 90 * GIB) == (0, None)
 
 
 def test_cpu_requires_an_explicit_budget(flash):
