@@ -15,7 +15,13 @@ inputs and the carry copies): 64 chunks x 36 layers per 4,096-token prompt chunk
 agent-sized prompts"). Here one program owns a ``[Dk, block_v]`` column block of one head's state and walks every
 chunk with it in registers: one kernel per layer and prompt chunk.
 
-Precision: the dots run in full float32 (``Precision.HIGHEST``); XLA's scan runs them at its default precision
+A second form, ``impl="assoc"``, has no loop over chunks at all: the update is affine in S,
+``S' = M_n S + B_n`` with ``M_n = d_n I - k_n^T w_n`` and ``B_n = k_n^T u_n``, so every chunk's starting state is
+a prefix composition, computed by `jax.lax.associative_scan` in log2(N) levels of batched ``[Dk, Dk]`` matmuls;
+the outputs then follow for all chunks at once. More flops (two ``Dk x Dk`` products per combine) for far fewer
+kernels: the scan's cost at prefill is in its launches, not its arithmetic.
+
+Precision: the kernel's dots run in full float32 (``Precision.HIGHEST``); XLA's scan runs them at its default precision
 (TF32 on Hopper), so the kernel is the closer of the two to a float64 recurrence.
 
 Reverse-mode differentiation (the demo trainer differentiates the model) goes through the jnp form: the kernel has
@@ -33,10 +39,12 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.delta_rule import is_pow2
 
-IMPLS = ("auto", "jnp", "pallas")
+IMPLS = ("auto", "jnp", "assoc", "pallas")
 # Whether "auto" takes the kernel on a GPU: off, as it measured 3.2x slower than the XLA scan in a 20,000-token prefill
 # on an H100 (docs/PERF.md, "Prefill at agent-sized prompts"; the A/B sets it in each process).
 AUTO_PALLAS = False
+# What "auto" takes on a GPU when the kernel is off: the loop ("jnp") or the parallel prefix ("assoc").
+AUTO_GPU_FORM = "jnp"
 BLOCK_V = 32
 _HI = jax.lax.Precision.HIGHEST
 
@@ -57,14 +65,36 @@ def chunk_scan_jnp(u, w, q, k, a, decay, state):
     return jnp.moveaxis(out, 0, 2), state
 
 
+def chunk_scan_assoc(u, w, q, k, a, decay, state):
+    """`chunk_scan_jnp` (same arguments and results) as a parallel prefix over the chunks, no sequential loop."""
+    dk = w.shape[-1]
+    m = decay[..., None, None] * jnp.eye(dk, dtype=w.dtype) - jnp.einsum("bhnck,bhncj->bhnkj", k, w)
+    b = jnp.einsum("bhnck,bhncv->bhnkv", k, u)
+    # The initial state folds into the first chunk's offset, so each prefix's offset is the state after it.
+    b = b.at[:, :, 0].add(jnp.einsum("bhkj,bhjv->bhkv", m[:, :, 0], state))
+
+    def compose(earlier, later):
+        m1, b1 = earlier
+        m2, b2 = later
+        return jnp.einsum("...kj,...ji->...ki", m2, m1), jnp.einsum("...kj,...jv->...kv", m2, b1) + b2
+
+    _, after = jax.lax.associative_scan(compose, (m, b), axis=2)
+    before = jnp.concatenate([state[:, :, None], after[:, :, :-1]], axis=2)
+    v_new = u - jnp.einsum("bhnck,bhnkv->bhncv", w, before)
+    out = jnp.einsum("bhnck,bhnkv->bhncv", q, before) + jnp.einsum("bhncj,bhnjv->bhncv", a, v_new)
+    return out, after[:, :, -1]
+
+
 def resolve_impl(impl: str, chunk: int, dk: int, dv: int) -> str:
     """"auto": the kernel on a GPU (while `AUTO_PALLAS`) when C, Dk and Dv are powers of two of at least 16 (Triton's
-    block and dot constraints); else the jnp form."""
+    block and dot constraints); else `AUTO_GPU_FORM` on a GPU and the jnp form elsewhere."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         fits = all(is_pow2(n) and n >= 16 for n in (chunk, dk, dv))
-        return "pallas" if AUTO_PALLAS and fits and jax.default_backend() == "gpu" else "jnp"
+        if jax.default_backend() != "gpu":
+            return "jnp"
+        return "pallas" if AUTO_PALLAS and fits else AUTO_GPU_FORM
     return impl
 
 
@@ -86,7 +116,7 @@ def _kernel(u_ref, w_ref, q_ref, k_ref, a_ref, d_ref, s_ref, o_ref, s_out_ref, *
 
 def chunk_scan(u, w, q, k, a, decay, state, *, impl: str = "auto", block_v: int | None = None, num_warps: int = 4,
                interpret: bool = False):
-    """`chunk_scan_jnp` (same arguments and results) as one kernel per call, or the jnp form by ``impl``
+    """`chunk_scan_jnp` (same arguments and results) as one kernel per call, or the jnp or assoc form by ``impl``
     (`resolve_impl`). ``block_v``: state columns per program (default `BLOCK_V`, at most Dv); the state is updated in
     place (the new one aliases the old one's buffer)."""
     bsz, heads, n_chunks, c, dv = u.shape
@@ -98,8 +128,11 @@ def chunk_scan(u, w, q, k, a, decay, state, *, impl: str = "auto", block_v: int 
         raise ValueError(f"a must be [B, H, N, C, C] and decay [B, H, N], got {a.shape} and {decay.shape}")
     if state.shape != (bsz, heads, dk, dv):
         raise ValueError(f"state must be [B, H, Dk, Dv] = {(bsz, heads, dk, dv)}, got {state.shape}")
-    if resolve_impl(impl, c, dk, dv) == "jnp":
+    resolved = resolve_impl(impl, c, dk, dv)
+    if resolved == "jnp":
         return chunk_scan_jnp(u, w, q, k, a, decay, state)
+    if resolved == "assoc":
+        return chunk_scan_assoc(u, w, q, k, a, decay, state)
     bv = min(block_v or BLOCK_V, dv)
     if not (is_pow2(bv) and bv >= 16 and dv % bv == 0):
         raise ValueError(f"block_v must be a power of two >= 16 dividing Dv = {dv}, got {bv}")

@@ -5,7 +5,14 @@ The input is the layer's activated conv output (bf16), as in the engine. The flo
 written once, over the copy bandwidth measured in the same run. The jnp form (split, normalise, scan; what runs
 off-GPU) is the baseline; `bv<N>_w<W>` is the Pallas kernel with column blocks of N and W warps.
 A layer runs `--deltanet-iters` times inside one jitted loop (the state carried, as a donated cache would be) so
-the launch of the timing call does not count."""
+the launch of the timing call does not count.
+
+With `--deltanet-prefill-tokens`, also the chunked rule of a prefill chunk (`strata_jax.model.deltanet
+.chunk_gated_delta_rule`: the UT system per 64-token chunk, then the recurrence over chunks) per variant
+`<scan>[+<precision>]`: the scan as a loop over chunks (`jnp`), a parallel prefix (`assoc`) or the Pallas kernel
+(`pallas`), and the UT system's matmuls at `highest` (the default), `x6` / `x3` (six or three bf16 passes), `tf32`
+or `default`. Its error is against the loop with every matmul in full float32; its floor is the rule's float32
+inputs read and outputs written once."""
 
 from __future__ import annotations
 
@@ -18,11 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import delta_rule
-from strata_jax.bench.common import print_variant_table
+from strata_jax.model.deltanet import chunk_gated_delta_rule
+from strata_jax.bench.common import max_rel_diff, print_variant_table
 from strata_jax.bench.floors import copy_bandwidth
 from strata_jax.bench.synthetic import preset_config
 
 _VARIANT = re.compile(r"bv(\d+)_w(\d+)")
+PREP_PRECISIONS = {
+    "highest": jax.lax.Precision.HIGHEST,
+    "default": jax.lax.Precision.DEFAULT,
+    "x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+    "x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+}
 
 
 def deltanet_args(p) -> None:
@@ -31,6 +46,11 @@ def deltanet_args(p) -> None:
     p.add_argument("--deltanet-variants", default="jnp,bv16_w4,bv32_w4,bv32_w8,bv64_w8",
                    help="deltanet mode: jnp | bv<block_v>_w<warps> (the Pallas kernel), comma-separated")
     p.add_argument("--deltanet-iters", type=int, default=20, help="deltanet mode: layers per timed call")
+    p.add_argument("--deltanet-prefill-tokens", default="",
+                   help="deltanet mode: comma-separated prompt-chunk lengths for the chunked rule (default: none)")
+    p.add_argument("--deltanet-prefill-variants", default="jnp,assoc,assoc+x6",
+                   help="deltanet mode: <scan>[+<precision>] per chunked-rule row; scan jnp | assoc | pallas, "
+                        f"precision of the UT system {' | '.join(PREP_PRECISIONS)} (default highest)")
 
 
 def _rule(variant: str, k_heads: int):
@@ -63,19 +83,87 @@ def _looped(rule, iters: int):
     return jax.jit(run, donate_argnums=3)
 
 
+def _chunked(variant: str):
+    scan, _, precision = variant.partition("+")
+    if scan not in ("jnp", "assoc", "pallas") or (precision and precision not in PREP_PRECISIONS):
+        raise SystemExit(f"bad --deltanet-prefill-variants entry {variant!r}: expected <jnp|assoc|pallas>"
+                         f"[+<{'|'.join(PREP_PRECISIONS)}>]")
+    prec = PREP_PRECISIONS[precision or "highest"]
+    return lambda *a: chunk_gated_delta_rule(*a, scan_impl=scan, precision=prec)
+
+
+def _prefill_inputs(key, slots: int, t: int, h: int, dk: int, dv: int):
+    kq, kk, kv, kg, kb, ks = jax.random.split(key, 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(jax.random.normal(kq, (slots, t, h, dk))) * dk**-0.5
+    k = unit(jax.random.normal(kk, (slots, t, h, dk)))
+    v = jax.random.normal(kv, (slots, t, h, dv))
+    g = -jax.random.uniform(kg, (slots, t, h), minval=0.01, maxval=0.5)
+    beta = jax.random.uniform(kb, (slots, t, h))
+    return q, k, v, g, beta, jax.random.normal(ks, (slots, h, dk, dv))
+
+
+def _looped_chunked(rule, iters: int):
+    def run(q, k, v, g, beta, state):
+        def body(_, carry):
+            state, acc = carry
+            out, state = rule(q, k, v, g, beta, state)
+            return state, acc + out[:, -1, :, 0]
+        return jax.lax.fori_loop(0, iters, body, (state, jnp.zeros(g.shape[::2], jnp.float32)))
+    return jax.jit(run, donate_argnums=5)
+
+
+def run_deltanet_prefill(args, bw: float) -> list[dict]:
+    """Median time per layer of the chunked rule per variant, and its error against the float32 loop, per (slots,
+    prompt-chunk length)."""
+    cfg = preset_config(args.preset)
+    variants = args.deltanet_prefill_variants.split(",")
+    for variant in variants:
+        _chunked(variant)
+    h, dk, dv = cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    rows = []
+    for slots in args.slots:
+        for t in (int(x) for x in args.deltanet_prefill_tokens.split(",")):
+            inputs = _prefill_inputs(jax.random.key(slots * 7 + t), slots, t, h, dk, dv)
+            floor_us = slots * t * h * (2 * dk + 2 * dv + 2) * 4 / (bw / 2) * 1e6  # read once + write once
+            with jax.default_matmul_precision("highest"):
+                want = [np.asarray(x) for x in jax.jit(_chunked("jnp"))(*inputs)]
+            for variant in variants:
+                got = jax.jit(_chunked(variant))(*inputs)
+                err = max(max_rel_diff(np.asarray(g), w) for g, w in zip(got, want))
+                f = _looped_chunked(_chunked(variant), args.deltanet_iters)
+                state = inputs[5] + 0.0
+                state, _ = f(*inputs[:5], state)  # compile + warm-up
+                times = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    state, acc = f(*inputs[:5], state)
+                    acc.block_until_ready()
+                    times.append(time.perf_counter() - t0)
+                us = statistics.median(times) / args.deltanet_iters * 1e6
+                rows.append({"slots": slots, "tokens": t, "variant": variant, "us_per_layer": us,
+                             "floor_us": floor_us, "floor_fraction": floor_us / us, "max_rel_err": err})
+                print(f"  slots {slots:3d} T {t}: {variant:12s} {us:9.1f} us/layer  floor {floor_us:7.1f} us  "
+                      f"({floor_us / us:5.1%})  err {err:.1e}", flush=True)
+    return rows
+
+
 def run_deltanet(args) -> list[dict]:
-    """Median time per layer of each variant, and its error against the jnp scan, per (slots, tokens)."""
+    """Median time per layer of each variant, and its error against the jnp scan, per (slots, tokens); then the
+    chunked rule's rows (`run_deltanet_prefill`) when `--deltanet-prefill-tokens` is given."""
     cfg = preset_config(args.preset)
     variants = args.deltanet_variants.split(",")
     for variant in variants:  # reject a bad entry before any timing
         _rule(variant, 1)
+    for variant in args.deltanet_prefill_variants.split(",") if args.deltanet_prefill_tokens else ():
+        _chunked(variant)
     hk, h, dk, dv = cfg.linear_num_k_heads, cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     bw = copy_bandwidth(args.bandwidth_gib)
     print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s; {args.preset}: {h} heads x [{dk}, {dv}] state",
           flush=True)
     rows = []
     for slots in args.slots:
-        for t in (int(x) for x in args.deltanet_tokens.split(",")):
+        for t in (int(x) for x in args.deltanet_tokens.split(",") if x):
             inputs = _inputs(jax.random.key(slots * 100 + t), slots, t, hk, h, dk, dv)
             floor_us = 2 * slots * h * dk * dv * 4 / bw * 1e6
             want = None
@@ -99,8 +187,17 @@ def run_deltanet(args) -> list[dict]:
                              "floor_us": floor_us, "floor_fraction": floor_us / us, "max_abs_err": err})
                 print(f"  slots {slots:3d} T {t}: {variant:10s} {us:8.1f} us/layer  floor {floor_us:6.1f} us  "
                       f"({floor_us / us:5.1%})  err {err:.1e}", flush=True)
+    if args.deltanet_prefill_tokens:
+        rows += run_deltanet_prefill(args, bw)
     return rows
 
 
 def print_deltanet_table(rows: list[dict]) -> None:
-    print_variant_table(rows, ("slots", "tokens"), "us_per_layer", "us/layer", "max_abs_err", "max abs err")
+    """The decode rows' table, then the chunked rule's (prefill) rows' table."""
+    decode = [r for r in rows if "max_abs_err" in r]
+    prefill = [r for r in rows if "max_rel_err" in r]
+    if decode:
+        print_variant_table(decode, ("slots", "tokens"), "us_per_layer", "us/layer", "max_abs_err", "max abs err")
+    if prefill:
+        print_variant_table(prefill, ("slots", "tokens"), "us_per_layer", "us/layer", "max_rel_err",
+                            "max rel err (vs float32 loop)")

@@ -6,16 +6,23 @@ length twice; the second is timed, so nothing is compiled or paged in during it;
 served, but every prompt is new). The floor
 is the prompt's matmul work (`prefill_flops`: every weight a token passes through, attention over what it sees)
 over the bf16 matmul rate measured on the device (`matmul_rate`).
+
+`--deltanet-forms` runs the lengths once per form of the Gated DeltaNet chunks, one engine each on the same weights:
+`<scan>[+<precision>]` as in `--mode deltanet` (the scan over chunks as a loop, `jnp`, or a parallel prefix,
+`assoc`; the UT system's matmul precision), so an A/B of the forms shares one process and one model.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 
 from strata_jax.bench.common import matmul_rate
+from strata_jax.bench.deltanet import PREP_PRECISIONS
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from strata_jax.model import deltanet
 from strata_jax.model.config import ModelConfig
 
 
@@ -28,6 +35,27 @@ def prefill_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-mib", type=int, default=2048,
                    help="the engine's prefix cache (default 2048, as served: its snapshots are part of prefill's "
                         "cost; every prompt here is new, so nothing is reused; 0 = off)")
+    g.add_argument("--deltanet-forms", default="auto",
+                   help="comma-separated forms of the Gated DeltaNet chunks, one engine each: auto (the engine's "
+                        "choice) or <jnp|assoc>[+<" + "|".join(PREP_PRECISIONS) + ">] (default auto)")
+
+
+@contextlib.contextmanager
+def deltanet_form(form: str):
+    """While inside, models traced use this form of the Gated DeltaNet chunks ("auto": leave the defaults)."""
+    if form == "auto":
+        yield
+        return
+    scan, _, precision = form.partition("+")
+    if scan not in ("jnp", "assoc") or (precision and precision not in PREP_PRECISIONS):
+        raise SystemExit(f"bad --deltanet-forms entry {form!r}: expected auto or <jnp|assoc>[+<"
+                         f"{'|'.join(PREP_PRECISIONS)}>]")
+    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION
+    deltanet.SCAN_IMPL, deltanet.PREP_PRECISION = scan, PREP_PRECISIONS[precision or "highest"]
+    try:
+        yield
+    finally:
+        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION = saved
 
 
 def prefill_flops(cfg: ModelConfig, n_tokens: int) -> dict[str, float]:
@@ -66,14 +94,27 @@ async def _first_token(engine: Engine, prompt: tuple[int, ...]) -> float:
 
 
 def run_prefill(args: argparse.Namespace, model) -> list[dict]:
-    """Times the first token of each prompt length (see the module docstring); returns one row per length."""
+    """Times the first token of each prompt length (see the module docstring) per `--deltanet-forms` entry;
+    returns one row per (form, length)."""
+    forms = getattr(args, "deltanet_forms", "auto").split(",")
+    for form in forms:  # reject a bad entry before building anything
+        with deltanet_form(form):
+            pass
+    rate = matmul_rate()
+    rows = []
+    for form in forms:
+        with deltanet_form(form):
+            rows += _run_form(args, model, rate, form)
+    return rows
+
+
+def _run_form(args: argparse.Namespace, model, rate: float, form: str) -> list[dict]:
     import numpy as np
 
     lengths = args.prompt_lengths
     ctx = args.ctx or max(lengths) + 64
-    rate = matmul_rate()
     print(f"prefill: bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; 1 slot x {ctx} tokens, chunks "
-          f"{args.prefill_chunks}", flush=True)
+          f"{args.prefill_chunks}; deltanet form {form}", flush=True)
     engine = Engine(model, EngineConfig(slots=1, max_context=ctx, prefill_chunks=args.prefill_chunks,
                                         prefix_cache_mib=args.prefix_cache_mib, overlap_steps=False,
                                         cache_dtype=getattr(args, "cache_dtype", None)))
@@ -89,13 +130,14 @@ def run_prefill(args: argparse.Namespace, model) -> list[dict]:
             flops = prefill_flops(model.config, n)
             floor_s = sum(flops.values()) / rate
             ttft = timings[-1]
-            row = {"prompt_tokens": n, "ctx": ctx, "chunks": list(args.prefill_chunks), "ttft_s": ttft,
-                   "first_ttft_s": timings[0], "prompt_tok_s": n / ttft, "floor_s": floor_s,
+            row = {"deltanet_form": form, "prompt_tokens": n, "ctx": ctx, "chunks": list(args.prefill_chunks),
+                   "ttft_s": ttft, "first_ttft_s": timings[0], "prompt_tok_s": n / ttft, "floor_s": floor_s,
                    "fraction_of_floor": floor_s / ttft, "gflop_per_token": sum(flops.values()) / n / 1e9,
                    "tflops": rate / 1e12}
             rows.append(row)
-            print(f"prefill {n} tokens: TTFT {ttft:.3f} s ({n / ttft:,.0f} prompt tok/s); floor {floor_s:.3f} s "
-                  f"({row['gflop_per_token']:.1f} GFLOP/token), {row['fraction_of_floor']:.0%} of it", flush=True)
+            print(f"prefill {n} tokens ({form}): TTFT {ttft:.3f} s ({n / ttft:,.0f} prompt tok/s); floor "
+                  f"{floor_s:.3f} s ({row['gflop_per_token']:.1f} GFLOP/token), {row['fraction_of_floor']:.0%} of it",
+                  flush=True)
     finally:
         engine.shutdown()
     return rows
@@ -103,8 +145,8 @@ def run_prefill(args: argparse.Namespace, model) -> list[dict]:
 
 def print_prefill_table(rows: list[dict]) -> None:
     """The rows as a markdown table."""
-    print("\n| prompt tokens | ctx | TTFT s | prompt tok/s | compute floor s | fraction of floor |")
-    print("|---|---|---|---|---|---|")
+    print("\n| deltanet form | prompt tokens | ctx | TTFT s | prompt tok/s | compute floor s | fraction of floor |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['prompt_tokens']:,} | {r['ctx']:,} | {r['ttft_s']:.3f} | {r['prompt_tok_s']:,.0f} "
-              f"| {r['floor_s']:.3f} | {r['fraction_of_floor']:.0%} |")
+        print(f"| {r.get('deltanet_form', 'auto')} | {r['prompt_tokens']:,} | {r['ctx']:,} | {r['ttft_s']:.3f} | "
+              f"{r['prompt_tok_s']:,.0f} | {r['floor_s']:.3f} | {r['fraction_of_floor']:.0%} |")

@@ -23,11 +23,18 @@ CHUNK = 64
 RECURRENT_MAX_TOKENS = 16
 
 
-def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+# The UT system's precision (its inverse and the two products through it): full float32 by default, since its
+# errors compound over the chunk's 64 tokens; `bench --mode deltanet-prefill` measures the alternatives.
+PREP_PRECISION = jax.lax.Precision.HIGHEST
+# The scan over chunks when a call names none (`pallas_kernels.delta_chunk.IMPLS`); benchmarks set it per engine.
+SCAN_IMPL = "auto"
 
 
-def unit_lower_inverse(a: jax.Array) -> jax.Array:
+def _matmul(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
+    return jnp.matmul(a, b, precision=PREP_PRECISION if precision is None else precision)
+
+
+def unit_lower_inverse(a: jax.Array, precision=None) -> jax.Array:
     """(I + A)^-1 for A [..., C, C] strictly lower triangular.
 
     A is nilpotent (A^C = 0), so the Neumann series I - A + A^2 - ... ends, and it folds into ceil(log2 C)
@@ -36,21 +43,23 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     (docs/PERF.md, "On the 2-core CPU"); float32 results agree with it to 2e-8 against a float64 recurrence."""
     c = a.shape[-1]
     inverse = jnp.eye(c, dtype=a.dtype) - a
-    power, covered = _matmul(a, a), 2  # inverse holds the series' terms below A^covered
+    power, covered = _matmul(a, a, precision), 2  # inverse holds the series' terms below A^covered
     while covered < c:
-        inverse = inverse + _matmul(inverse, power)
+        inverse = inverse + _matmul(inverse, power, precision)
         covered *= 2
         if covered < c:
-            power = _matmul(power, power)
+            power = _matmul(power, power, precision)
     return inverse
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_impl: str = "auto"):
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_impl: str | None = None,
+                           precision=None):
     """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one
     (`pallas_kernels.delta_rule.recurrent_rule_jnp`; decode, verify and the replay run `gated_delta_decode`, that
     rule from the conv output, on a GPU a kernel that reads and writes the state once). The sequential part over
-    the chunks runs as `pallas_kernels.delta_chunk.chunk_scan` (`scan_impl`: "auto" is its kernel on a GPU;
-    "pallas" off a GPU runs the kernel in interpret mode, for tests)."""
+    the chunks runs as `pallas_kernels.delta_chunk.chunk_scan`; `scan_impl` (default `SCAN_IMPL`): "auto" as
+    `delta_chunk.resolve_impl` picks, "jnp" a loop over chunks, "assoc" a parallel prefix, "pallas" the kernel (in
+    interpret mode off a GPU). `precision`: the UT system's matmuls (default `PREP_PRECISION`)."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
@@ -70,14 +79,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_imp
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     # (I + A) with A strictly lower: the UT system, applied through its inverse (`unit_lower_inverse`).
     a_mat = jnp.where(strict, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
-    inverse = unit_lower_inverse(a_mat)
-    new_values = _matmul(inverse, v_beta)
-    k_cumdecay = _matmul(inverse, k_beta * jnp.exp(cum)[..., None])
+    inverse = unit_lower_inverse(a_mat, precision)
+    new_values = _matmul(inverse, v_beta, precision)
+    k_cumdecay = _matmul(inverse, k_beta * jnp.exp(cum)[..., None], precision)
     intra = jnp.where(lower, jnp.einsum("...ik,...jk->...ij", q, k) * decay, 0.0)
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     out, state = chunk_scan(new_values, k_cumdecay, q_dec, k_dec, intra, jnp.exp(cum[..., -1]), state,
-                            impl=scan_impl, interpret=jax.default_backend() != "gpu")
+                            impl=scan_impl or SCAN_IMPL, interpret=jax.default_backend() != "gpu")
     out = out.reshape(b, h, n * chunk, dv)[:, :, :t]
     return jnp.moveaxis(out, 1, 2), state
 

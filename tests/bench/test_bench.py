@@ -3,6 +3,7 @@
 import json
 import re
 
+import jax
 import pytest
 
 from strata_jax.bench.main import main
@@ -105,6 +106,20 @@ def test_deltanet_mode_runs(tmp_path):
     assert [(r["tokens"], r["variant"]) for r in rows] == [(1, "jnp"), (1, "bv16_w4"), (3, "jnp"), (3, "bv16_w4")]
     # The kernel (interpret mode here) computes what the jnp scan does, and the floor counts the state both ways.
     assert all(r["max_abs_err"] < 1e-4 and r["floor_us"] > 0 for r in rows)
+
+
+def test_deltanet_mode_times_the_chunked_rule(tmp_path, capsys):
+    out = tmp_path / "deltanet.json"
+    assert main(["--mode", "deltanet", "--preset", "tiny", "--slots", "1", "--deltanet-tokens", "",
+                 "--deltanet-prefill-tokens", "130", "--deltanet-prefill-variants", "jnp,assoc,assoc+x6",
+                 "--deltanet-iters", "1", "--steps", "1", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [(130, "jnp"), (130, "assoc"), (130, "assoc+x6")]
+    assert all(r["max_rel_err"] < 1e-4 and r["us_per_layer"] > 0 for r in rows)
+    assert "max rel err (vs float32 loop)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="bad --deltanet-prefill-variants"):
+        main(["--mode", "deltanet", "--preset", "tiny", "--deltanet-prefill-tokens", "64",
+              "--deltanet-prefill-variants", "assoc+fp8"])
 
 
 def test_hyper_mode_runs(tmp_path):
@@ -352,6 +367,26 @@ def test_prefill_mode_times_each_length_against_the_compute_floor(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["prompt_tokens"] for r in rows] == [16, 40] and all(r["ctx"] == 128 for r in rows)
     assert all(r["ttft_s"] > 0 and 0 < r["fraction_of_floor"] < 1 and r["gflop_per_token"] > 0 for r in rows)
+
+
+def test_prefill_mode_runs_one_engine_per_deltanet_form(tmp_path, monkeypatch):
+    """Each form is what the engine traced (the parallel prefix is counted), and the defaults come back after."""
+    from pallas_kernels import delta_chunk
+    from strata_jax.model import deltanet
+
+    calls = []
+    real = delta_chunk.chunk_scan_assoc
+    monkeypatch.setattr(delta_chunk, "chunk_scan_assoc", lambda *a: calls.append(1) or real(*a))
+    out = tmp_path / "prefill.json"
+    assert main(["--mode", "prefill", "--preset", "tiny", "--dtype", "float32", "--prompt-lengths", "40",
+                 "--ctx", "64", "--prefill-chunks", "32", "--deltanet-forms", "jnp,assoc+x3", "--json",
+                 str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["deltanet_form"], r["prompt_tokens"]) for r in rows] == [("jnp", 40), ("assoc+x3", 40)]
+    assert calls  # traced while the second engine warmed up, not before
+    assert deltanet.SCAN_IMPL == "auto" and deltanet.PREP_PRECISION == jax.lax.Precision.HIGHEST
+    with pytest.raises(SystemExit, match="bad --deltanet-forms"):
+        main(["--mode", "prefill", "--preset", "tiny", "--deltanet-forms", "pallas"])
 
 
 def test_occupancy_counts_graphed_kernels_and_idle_time():

@@ -1,6 +1,7 @@
-"""The chunked delta rule's inter-chunk recurrence (pallas_kernels.delta_chunk): the kernel in interpret mode against
-a float64 numpy recurrence and the XLA scan, its gradient, the Triton lowering without a GPU, and the compiled kernel
-on a GPU at Flash-Next shapes. (The model's chunked rule through the kernel: test_deltanet_rule.py.)"""
+"""The chunked delta rule's inter-chunk recurrence (pallas_kernels.delta_chunk): the kernel in interpret mode and the
+parallel-prefix form against a float64 numpy recurrence and the XLA scan, the kernel's gradient, its Triton lowering
+without a GPU, and both compiled on a GPU at Flash-Next shapes. (The model's chunked rule through each form:
+test_deltanet_rule.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import delta_chunk
-from pallas_kernels.delta_chunk import chunk_scan, chunk_scan_jnp
+from pallas_kernels.delta_chunk import chunk_scan, chunk_scan_assoc, chunk_scan_jnp
 
 
 def _numpy_scan(u, w, q, k, a, decay, state):
@@ -46,6 +47,24 @@ def test_kernel_matches_numpy_and_the_scan(b, h, n, c, dk, dv, block_v):
     np.testing.assert_allclose(np.asarray(state), np.asarray(ref_state), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 64])
+def test_parallel_prefix_matches_numpy(n):
+    """Any chunk count (a power of two or not, one chunk) and a non-zero starting state; decays as in a real
+    prompt, so a wrong order of composition or a dropped initial state would show."""
+    args = _scan_inputs(2, 3, n, 16, 16, 32, seed=n)
+    want_out, want_state = _numpy_scan(*args)
+    out, state = jax.jit(lambda *a: chunk_scan(*a, impl="assoc"))(*map(jnp.asarray, args))
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state), want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_parallel_prefix_has_no_loop_over_chunks():
+    """The point of the form: no while loop in its program, whatever the chunk count."""
+    args = [jnp.asarray(x) for x in _scan_inputs(1, 2, 64, 16, 16, 16, seed=0)]
+    assert "while" not in jax.jit(chunk_scan_assoc).lower(*args).as_text()
+    assert "while" in jax.jit(chunk_scan_jnp).lower(*args).as_text()
+
+
 def test_gradient_goes_through_the_jnp_form():
     """The demo trainer differentiates the model: the kernel's backward pass is the XLA scan's."""
     args = [jnp.asarray(x) for x in _scan_inputs(1, 2, 3, 16, 16, 16, seed=9)]
@@ -69,6 +88,9 @@ def test_impl_choice_and_bad_shapes(monkeypatch):
     assert delta_chunk.resolve_impl("auto", 8, 128, 128) == "jnp"  # below Triton's 16-wide dots
     monkeypatch.setattr(delta_chunk, "AUTO_PALLAS", False)
     assert delta_chunk.resolve_impl("auto", 64, 128, 128) == "jnp"
+    monkeypatch.setattr(delta_chunk, "AUTO_GPU_FORM", "assoc")
+    assert delta_chunk.resolve_impl("auto", 64, 128, 128) == "assoc"
+    assert delta_chunk.resolve_impl("jnp", 64, 128, 128) == "jnp"
     with pytest.raises(ValueError, match="impl must be one of"):
         delta_chunk.resolve_impl("triton", 64, 128, 128)
     args = [jnp.asarray(x) for x in _scan_inputs(1, 2, 3, 16, 16, 32, seed=0)]
@@ -104,3 +126,17 @@ def test_kernel_on_gpu_at_flash_next_shapes():
     assert err <= 1.5 * ref_err + 1e-5, (err, ref_err)
     state_err = np.abs(np.asarray(state) - want_state).max()
     assert state_err <= 1.5 * np.abs(np.asarray(ref_state) - want_state).max() + 1e-5
+
+
+@pytest.mark.gpu
+def test_parallel_prefix_on_gpu_at_flash_next_shapes():
+    """The parallel prefix at XLA's default precision against float64: within 2x of the loop's error at the same
+    precision (a tree of products rounds differently from a chain, not worse by more than that)."""
+    args = _scan_inputs(1, 48, 64, 64, 128, 128, seed=4)
+    want_out, want_state = _numpy_scan(*args)
+    dev = [jnp.asarray(x) for x in args]
+    out, state = jax.jit(chunk_scan_assoc)(*dev)
+    ref_out, ref_state = jax.jit(chunk_scan_jnp)(*dev)
+    for got, ref, want in ((out, ref_out, want_out), (state, ref_state, want_state)):
+        err = np.abs(np.asarray(got) - want).max()
+        assert err <= 2 * np.abs(np.asarray(ref) - want).max() + 1e-5, err

@@ -56,6 +56,18 @@ def test_chunked_rule_through_the_scan_kernel_matches_numpy():
     np.testing.assert_allclose(np.asarray(state), want_state, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("scan_impl", ["jnp", "assoc"])
+@pytest.mark.parametrize("precision", [None, jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6])
+def test_chunked_rule_per_scan_form_and_precision_matches_numpy(scan_impl, precision):
+    """300 tokens (5 chunks, the last padded) through each scan form, the UT system in full float32 or six bf16
+    passes (`bench --mode deltanet` measures which is faster on a GPU)."""
+    args = _inputs(300, seed=11, dk=16, dv=32)
+    want_out, want_state = _numpy_rule(*args)
+    out, state = jax.jit(lambda *a: chunk_gated_delta_rule(*a, scan_impl=scan_impl, precision=precision))(*args)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(state), want_state, rtol=2e-4, atol=2e-4)
+
+
 def test_chunked_continues_from_split_point():
     args = _inputs(130, seed=7)
     full_out, full_state = chunk_gated_delta_rule(*args)
