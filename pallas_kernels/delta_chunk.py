@@ -19,7 +19,8 @@ A second form, ``impl="assoc"``, has no loop over chunks at all: the update is a
 ``S' = M_n S + B_n`` with ``M_n = d_n I - k_n^T w_n`` and ``B_n = k_n^T u_n``, so every chunk's starting state is
 a prefix composition, computed by `jax.lax.associative_scan` in log2(N) levels of batched ``[Dk, Dk]`` matmuls;
 the outputs then follow for all chunks at once. More flops (two ``Dk x Dk`` products per combine) for far fewer
-kernels: the scan's cost at prefill is in its launches, not its arithmetic.
+kernels; measured slower than the loop on an H100 (0.87x per layer at one prompt, 0.77x at four), so "auto" keeps
+the loop.
 
 Precision: the kernel's dots run in full float32 (``Precision.HIGHEST``); XLA's scan runs them at its default precision
 (TF32 on Hopper), so the kernel is the closer of the two to a float64 recurrence.
@@ -43,7 +44,9 @@ IMPLS = ("auto", "jnp", "assoc", "pallas")
 # Whether "auto" takes the kernel on a GPU: off, as it measured 3.2x slower than the XLA scan in a 20,000-token prefill
 # on an H100 (docs/PERF.md, "Prefill at agent-sized prompts"; the A/B sets it in each process).
 AUTO_PALLAS = False
-# What "auto" takes on a GPU when the kernel is off: the loop ("jnp") or the parallel prefix ("assoc").
+# What "auto" takes on a GPU when the kernel is off: the loop ("jnp") or the parallel prefix ("assoc"). The loop:
+# the prefix measured 0.87x its speed per layer at 1 prompt, 0.77x at 4 (H100, docs/PERF.md "Prefill at agent-sized
+# prompts"); its extra [Dk, Dk] products cost more than the loop's launches save.
 AUTO_GPU_FORM = "jnp"
 BLOCK_V = 32
 _HI = jax.lax.Precision.HIGHEST
