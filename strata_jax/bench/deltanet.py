@@ -73,14 +73,31 @@ def _inputs(key, slots: int, t: int, hk: int, hv: int, dk: int, dv: int):
     return qkv, g, beta, jax.random.normal(ks, (slots, hv, dk, dv))
 
 
-def _looped(rule, iters: int):
-    def run(qkv, g, beta, state):
+def _looped(rule, iters: int, n_inputs: int):
+    """`rule(*inputs, state) -> (out [B, T, H, Dv], state)` run `iters` times in one jitted loop, the state carried
+    and donated (`n_inputs` inputs before it, the last of them beta [B, T, H])."""
+    def run(*args):
+        *inputs, state = args
+
         def body(_, carry):
             state, acc = carry
-            out, state = rule(qkv, g, beta, state)
+            out, state = rule(*inputs, state)
             return state, acc + out[:, -1, :, 0]
-        return jax.lax.fori_loop(0, iters, body, (state, jnp.zeros(g.shape[::2], jnp.float32)))
-    return jax.jit(run, donate_argnums=3)
+        return jax.lax.fori_loop(0, iters, body, (state, jnp.zeros(inputs[-1].shape[::2], jnp.float32)))
+    return jax.jit(run, donate_argnums=n_inputs)
+
+
+def _us_per_layer(rule, inputs: tuple, state, iters: int, steps: int) -> float:
+    """Median microseconds per layer of `rule` in `_looped` (compiled and warmed up first)."""
+    f = _looped(rule, iters, len(inputs))
+    state, _ = f(*inputs, state + 0.0)  # compile + warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, acc = f(*inputs, state)
+        acc.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / iters * 1e6
 
 
 def _chunked(variant: str):
@@ -103,16 +120,6 @@ def _prefill_inputs(key, slots: int, t: int, h: int, dk: int, dv: int):
     return q, k, v, g, beta, jax.random.normal(ks, (slots, h, dk, dv))
 
 
-def _looped_chunked(rule, iters: int):
-    def run(q, k, v, g, beta, state):
-        def body(_, carry):
-            state, acc = carry
-            out, state = rule(q, k, v, g, beta, state)
-            return state, acc + out[:, -1, :, 0]
-        return jax.lax.fori_loop(0, iters, body, (state, jnp.zeros(g.shape[::2], jnp.float32)))
-    return jax.jit(run, donate_argnums=5)
-
-
 def run_deltanet_prefill(args, bw: float) -> list[dict]:
     """Median time per layer of the chunked rule per variant, and its error against the float32 loop, per (slots,
     prompt-chunk length)."""
@@ -131,16 +138,7 @@ def run_deltanet_prefill(args, bw: float) -> list[dict]:
             for variant in variants:
                 got = jax.jit(_chunked(variant))(*inputs)
                 err = max(max_rel_diff(np.asarray(g), w) for g, w in zip(got, want))
-                f = _looped_chunked(_chunked(variant), args.deltanet_iters)
-                state = inputs[5] + 0.0
-                state, _ = f(*inputs[:5], state)  # compile + warm-up
-                times = []
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    state, acc = f(*inputs[:5], state)
-                    acc.block_until_ready()
-                    times.append(time.perf_counter() - t0)
-                us = statistics.median(times) / args.deltanet_iters * 1e6
+                us = _us_per_layer(_chunked(variant), inputs[:5], inputs[5], args.deltanet_iters, args.steps)
                 rows.append({"slots": slots, "tokens": t, "variant": variant, "us_per_layer": us,
                              "floor_us": floor_us, "floor_fraction": floor_us / us, "max_rel_err": err})
                 print(f"  slots {slots:3d} T {t}: {variant:12s} {us:9.1f} us/layer  floor {floor_us:7.1f} us  "
@@ -173,16 +171,7 @@ def run_deltanet(args) -> list[dict]:
                     want = np.asarray(out), np.asarray(state)
                 err = max(float(np.max(np.abs(np.asarray(out) - want[0]))),
                           float(np.max(np.abs(np.asarray(state) - want[1]))))
-                f = _looped(_rule(variant, hk), args.deltanet_iters)
-                state = inputs[3] + 0.0
-                state, _ = f(*inputs[:3], state)  # compile + warm-up
-                times = []
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    state, acc = f(*inputs[:3], state)
-                    acc.block_until_ready()
-                    times.append(time.perf_counter() - t0)
-                us = statistics.median(times) / args.deltanet_iters * 1e6
+                us = _us_per_layer(_rule(variant, hk), inputs[:3], inputs[3], args.deltanet_iters, args.steps)
                 rows.append({"slots": slots, "tokens": t, "variant": variant, "us_per_layer": us,
                              "floor_us": floor_us, "floor_fraction": floor_us / us, "max_abs_err": err})
                 print(f"  slots {slots:3d} T {t}: {variant:10s} {us:8.1f} us/layer  floor {floor_us:6.1f} us  "
