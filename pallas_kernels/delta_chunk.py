@@ -22,6 +22,12 @@ the outputs then follow for all chunks at once. More flops (two ``Dk x Dk`` prod
 kernels; measured slower than the loop on an H100 (0.87x per layer at one prompt, 0.77x at four), so "auto" keeps
 the loop.
 
+A third, ``impl="states"``, keeps the loop but only the state's own path in it: each step computes ``v_new`` and
+the next ``S`` (two dots) and keeps the state each chunk starts from; every chunk's output, ``q_n @ S_n + A_n @
+v_new``, is then two batched products over all chunks at once. Half the dots in the sequential part, at the price
+of the per-chunk states in memory (``[N, Dk, Dv]`` float32 per head: 200 MB per layer for a 4,096-token chunk at
+Flash-Next shapes).
+
 Precision: the kernel's dots run in full float32 (``Precision.HIGHEST``); XLA's scan runs them at its default precision
 (TF32 on Hopper), so the kernel is the closer of the two to a float64 recurrence.
 
@@ -40,7 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.delta_rule import is_pow2
 
-IMPLS = ("auto", "jnp", "assoc", "pallas")
+IMPLS = ("auto", "jnp", "assoc", "states", "pallas")
 # Whether "auto" takes the kernel on a GPU: off, as it measured 3.2x slower than the XLA scan in a 20,000-token prefill
 # on an H100 (docs/PERF.md, "Prefill at agent-sized prompts"; the A/B sets it in each process).
 AUTO_PALLAS = False
@@ -66,6 +72,21 @@ def chunk_scan_jnp(u, w, q, k, a, decay, state):
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q, k, a, decay))
     state, out = jax.lax.scan(step, state, xs)
     return jnp.moveaxis(out, 0, 2), state
+
+
+def chunk_scan_states(u, w, q, k, a, decay, state):
+    """`chunk_scan_jnp` (same arguments and results) with only the state's path in the loop; the outputs after it."""
+
+    def step(s, xs):
+        u_n, w_n, k_n, d_n = xs
+        v_new = u_n - jnp.einsum("bhck,bhkv->bhcv", w_n, s)
+        return s * d_n[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_n, v_new), (s, v_new)
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, k, decay))
+    state, (before, v_new) = jax.lax.scan(step, state, xs)
+    before, v_new = jnp.moveaxis(before, 0, 2), jnp.moveaxis(v_new, 0, 2)
+    out = jnp.einsum("bhnck,bhnkv->bhncv", q, before) + jnp.einsum("bhncj,bhnjv->bhncv", a, v_new)
+    return out, state
 
 
 def chunk_scan_assoc(u, w, q, k, a, decay, state):
@@ -119,9 +140,9 @@ def _kernel(u_ref, w_ref, q_ref, k_ref, a_ref, d_ref, s_ref, o_ref, s_out_ref, *
 
 def chunk_scan(u, w, q, k, a, decay, state, *, impl: str = "auto", block_v: int | None = None, num_warps: int = 4,
                interpret: bool = False):
-    """`chunk_scan_jnp` (same arguments and results) as one kernel per call, or the jnp or assoc form by ``impl``
-    (`resolve_impl`). ``block_v``: state columns per program (default `BLOCK_V`, at most Dv); the state is updated in
-    place (the new one aliases the old one's buffer)."""
+    """`chunk_scan_jnp` (same arguments and results) as one kernel per call, or the jnp, assoc or states form by
+    ``impl`` (`resolve_impl`). ``block_v``: state columns per program (default `BLOCK_V`, at most Dv); the state is
+    updated in place (the new one aliases the old one's buffer)."""
     bsz, heads, n_chunks, c, dv = u.shape
     dk = w.shape[-1]
     if w.shape != (bsz, heads, n_chunks, c, dk) or q.shape != w.shape or k.shape != w.shape:
@@ -136,6 +157,8 @@ def chunk_scan(u, w, q, k, a, decay, state, *, impl: str = "auto", block_v: int 
         return chunk_scan_jnp(u, w, q, k, a, decay, state)
     if resolved == "assoc":
         return chunk_scan_assoc(u, w, q, k, a, decay, state)
+    if resolved == "states":
+        return chunk_scan_states(u, w, q, k, a, decay, state)
     bv = min(block_v or BLOCK_V, dv)
     if not (is_pow2(bv) and bv >= 16 and dv % bv == 0):
         raise ValueError(f"block_v must be a power of two >= 16 dividing Dv = {dv}, got {bv}")

@@ -4,6 +4,9 @@
 
 Builds the engine (1 slot, chunks of --chunk tokens, the prefix cache off), prefills one prompt untimed, then traces
 the prefill of another (`jax.profiler`, Perfetto trace under DIR) and sums the device events of the trace by name.
+It also writes the chunk's compiled HLO (DIR/prefill.hlo.txt) and, through `strata_jax.bench.profile`, sums the time
+per model component (the decoder's named scopes) and per matrix product; with --tokens a multiple of --chunk every
+traced kernel belongs to that one executable.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import collections
 import glob
 import gzip
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,15 +33,15 @@ from strata_jax.model.config import ExpertQuantization
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="flash-next-125b", help="synthetic model (tiny: a CPU check of this tool)")
     ap.add_argument("--ctx", type=int, default=65536)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens); `serve` picks 4,096 on a big GPU")
     ap.add_argument("--top", type=int, default=40, help="kernel names listed")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from pathlib import Path
 
-    cfg = preset_config("flash-next-125b")
+    cfg = preset_config(args.preset)
     pool = HostPool()
     net = synthetic_model(cfg, jnp.bfloat16, ExpertQuantization(), host_pool=pool)
     model = LoadedModel(Path("synthetic"), cfg, net, jnp.bfloat16, [], None, host_pool=pool)
@@ -49,7 +53,11 @@ def main() -> None:
     print(f"untimed: {asyncio.run(_first_token(engine, prompt())):.2f}s", flush=True)
     with jax.profiler.trace(args.out, create_perfetto_trace=True):
         print(f"traced: {asyncio.run(_first_token(engine, prompt())):.2f}s", flush=True)
+    compiled = engine._runner._compiled.get(("prefill", args.chunk, 1))
+    hlo_text = compiled.as_text() if compiled is not None else None
     engine.shutdown()
+    if hlo_text is not None:
+        Path(args.out, "prefill.hlo.txt").write_text(hlo_text)
     totals, counts = collections.Counter(), collections.Counter()
     for path in glob.glob(f"{args.out}/**/*.trace.json.gz", recursive=True):
         events = json.load(gzip.open(path)).get("traceEvents", [])
@@ -63,6 +71,23 @@ def main() -> None:
     print(f"device events: {total / 1e3:.1f} ms in {sum(counts.values())} events")
     for name, us in totals.most_common(args.top):
         print(f"{us / 1e3:9.1f} ms {counts[name]:6d}x  {name}")
+    if hlo_text is not None:
+        _by_component(args.out, hlo_text, args.top)
+
+
+def _by_component(out: str, hlo_text: str, top: int) -> None:
+    """Time per model component and per matrix product over the whole traced prompt (ms), from the trace and HLO."""
+    from strata_jax.bench import profile
+
+    for path in glob.glob(f"{out}/**/perfetto_trace.json.gz", recursive=True):
+        trace = json.load(gzip.open(path))
+        print("\n| component | kernels | ms |\n| --- | --- | --- |")
+        for name, n, us in profile.summarize(trace, hlo_text, 1)[:top]:
+            print(f"| {name} | {n} | {us / 1e3:.1f} |")
+        print("\n| output shape | op | kernels | ms |\n| --- | --- | --- | --- |")
+        for shape, op, n, us in profile.gemm_rows(trace, hlo_text, 1)[:top]:
+            print(f"| {shape} | {op[:110]} | {n} | {us / 1e3:.1f} |")
+        return
 
 
 if __name__ == "__main__":

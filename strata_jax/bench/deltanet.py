@@ -9,9 +9,10 @@ the launch of the timing call does not count.
 
 With `--deltanet-prefill-tokens`, also the chunked rule of a prefill chunk (`strata_jax.model.deltanet
 .chunk_gated_delta_rule`: the UT system per 64-token chunk, then the recurrence over chunks) per variant
-`<scan>[+<precision>]`: the scan as a loop over chunks (`jnp`), a parallel prefix (`assoc`) or the Pallas kernel
-(`pallas`), and the UT system's matmuls at `highest` (the default), `x6` / `x3` (six or three bf16 passes), `tf32`
-or `default`. Its error is against the loop with every matmul in full float32; its floor is the rule's float32
+`<scan>[+<precision>][+ut<N>]`: the scan as a loop over chunks (`jnp`), a parallel prefix (`assoc`) or the Pallas
+kernel (`pallas`), the UT system's matmuls at `highest` (the default), `x6` / `x3` (six or three bf16 passes),
+`tf32` or `default`, and its inverse in diagonal blocks of N tokens (`ut16`, the default) or by doubling over the
+whole chunk (`ut0`). Its error is against the loop with every matmul in full float32; its floor is the rule's float32
 inputs read and outputs written once."""
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def deltanet_args(p) -> None:
     p.add_argument("--deltanet-prefill-tokens", default="",
                    help="deltanet mode: comma-separated prompt-chunk lengths for the chunked rule (default: none)")
     p.add_argument("--deltanet-prefill-variants", default="jnp,assoc,assoc+x6",
-                   help="deltanet mode: <scan>[+<precision>] per chunked-rule row; scan jnp | assoc | pallas, "
-                        f"precision of the UT system {' | '.join(PREP_PRECISIONS)} (default highest)")
+                   help="deltanet mode: <scan>[+<precision>][+ut<N>] per chunked-rule row; scan jnp | assoc | "
+                        f"pallas, precision of the UT system {' | '.join(PREP_PRECISIONS)} (default highest), its "
+                        "inverse in blocks of N tokens (ut0: doubling over the chunk; default the model's UT_BLOCK)")
 
 
 def _rule(variant: str, k_heads: int):
@@ -100,13 +102,30 @@ def _us_per_layer(rule, inputs: tuple, state, iters: int, steps: int) -> float:
     return statistics.median(times) / iters * 1e6
 
 
+_UT = re.compile(r"ut(\d+)")
+
+
+def parse_form(form: str, scans: tuple[str, ...], flag: str) -> tuple[str, object, int | None]:
+    """`<scan>[+<precision>][+ut<N>]` -> (scan, the UT system's precision, its inverse's block or None for the
+    model's default); a bad entry exits naming `flag`."""
+    scan, *rest = form.split("+")
+    precision, block = "highest", None
+    for part in rest:
+        if part in PREP_PRECISIONS and precision == "highest":
+            precision = part
+        elif (m := _UT.fullmatch(part)) and block is None:
+            block = int(m[1])
+        else:
+            scan = None
+    if scan not in scans:
+        raise SystemExit(f"bad {flag} entry {form!r}: expected <{'|'.join(scans)}>[+<{'|'.join(PREP_PRECISIONS)}>]"
+                         "[+ut<N>]")
+    return scan, PREP_PRECISIONS[precision], block
+
+
 def _chunked(variant: str):
-    scan, _, precision = variant.partition("+")
-    if scan not in ("jnp", "assoc", "pallas") or (precision and precision not in PREP_PRECISIONS):
-        raise SystemExit(f"bad --deltanet-prefill-variants entry {variant!r}: expected <jnp|assoc|pallas>"
-                         f"[+<{'|'.join(PREP_PRECISIONS)}>]")
-    prec = PREP_PRECISIONS[precision or "highest"]
-    return lambda *a: chunk_gated_delta_rule(*a, scan_impl=scan, precision=prec)
+    scan, prec, block = parse_form(variant, ("jnp", "assoc", "states", "pallas"), "--deltanet-prefill-variants")
+    return lambda *a: chunk_gated_delta_rule(*a, scan_impl=scan, precision=prec, ut_block=block)
 
 
 def _prefill_inputs(key, slots: int, t: int, h: int, dk: int, dv: int):
@@ -134,7 +153,7 @@ def run_deltanet_prefill(args, bw: float) -> list[dict]:
             inputs = _prefill_inputs(jax.random.key(slots * 7 + t), slots, t, h, dk, dv)
             floor_us = slots * t * h * (2 * dk + 2 * dv + 2) * 4 / (bw / 2) * 1e6  # read once + write once
             with jax.default_matmul_precision("highest"):
-                want = [np.asarray(x) for x in jax.jit(_chunked("jnp"))(*inputs)]
+                want = [np.asarray(x) for x in jax.jit(_chunked("jnp+ut0"))(*inputs)]
             for variant in variants:
                 got = jax.jit(_chunked(variant))(*inputs)
                 err = max(max_rel_diff(np.asarray(g), w) for g, w in zip(got, want))

@@ -20,7 +20,7 @@ import contextlib
 import time
 
 from strata_jax.bench.common import matmul_rate
-from strata_jax.bench.deltanet import PREP_PRECISIONS
+from strata_jax.bench.deltanet import PREP_PRECISIONS, parse_form
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.model import deltanet
 from strata_jax.model.config import ModelConfig
@@ -37,7 +37,8 @@ def prefill_args(p: argparse.ArgumentParser) -> None:
                         "cost; every prompt here is new, so nothing is reused; 0 = off)")
     g.add_argument("--deltanet-forms", default="auto",
                    help="comma-separated forms of the Gated DeltaNet chunks, one engine each: auto (the engine's "
-                        "choice) or <jnp|assoc>[+<" + "|".join(PREP_PRECISIONS) + ">] (default auto)")
+                        "choice) or <jnp|assoc>[+<" + "|".join(PREP_PRECISIONS) + ">][+ut<N>] (the UT system's inverse "
+                        "in blocks of N tokens, ut0: doubling over the chunk; default auto)")
 
 
 @contextlib.contextmanager
@@ -46,16 +47,14 @@ def deltanet_form(form: str):
     if form == "auto":
         yield
         return
-    scan, _, precision = form.partition("+")
-    if scan not in ("jnp", "assoc") or (precision and precision not in PREP_PRECISIONS):
-        raise SystemExit(f"bad --deltanet-forms entry {form!r}: expected auto or <jnp|assoc>[+<"
-                         f"{'|'.join(PREP_PRECISIONS)}>]")
-    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION
-    deltanet.SCAN_IMPL, deltanet.PREP_PRECISION = scan, PREP_PRECISIONS[precision or "highest"]
+    scan, precision, block = parse_form(form, ("jnp", "assoc", "states"), "--deltanet-forms")
+    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK
+    deltanet.SCAN_IMPL, deltanet.PREP_PRECISION = scan, precision
+    deltanet.UT_BLOCK = deltanet.UT_BLOCK if block is None else block
     try:
         yield
     finally:
-        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION = saved
+        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK = saved
 
 
 def prefill_flops(cfg: ModelConfig, n_tokens: int) -> dict[str, float]:

@@ -28,6 +28,9 @@ RECURRENT_MAX_TOKENS = 16
 PREP_PRECISION = jax.lax.Precision.HIGHEST
 # The scan over chunks when a call names none (`pallas_kernels.delta_chunk.IMPLS`); benchmarks set it per engine.
 SCAN_IMPL = "auto"
+# The UT system's inverse in diagonal blocks of this many tokens merged pairwise (`unit_lower_inverse_blocked`);
+# 0: doubling over the whole chunk (`unit_lower_inverse`), the form before 2026-12-06.
+UT_BLOCK = 16
 
 
 def _matmul(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
@@ -52,14 +55,42 @@ def unit_lower_inverse(a: jax.Array, precision=None) -> jax.Array:
     return inverse
 
 
+def unit_lower_inverse_blocked(a: jax.Array, block: int = 16, precision=None) -> jax.Array:
+    """`unit_lower_inverse` (same result) by blocks: the diagonal [block, block] blocks inverted by doubling, then
+    pairs of neighbouring inverses merged into ones twice their size, (I + A)^-1 of [[A11, 0], [A21, A22]] being
+    [[X11, 0], [-X22 A21 X11, X22]]. For C = 64 that is ~20x fewer multiply-adds than doubling the whole chunk and
+    far less memory traffic (the [C, C] arrays are only formed at the last merge). C must be `block` times a power
+    of two, else this is `unit_lower_inverse`."""
+    c = a.shape[-1]
+    m = c // block
+    if block >= c or c % block or m & (m - 1):
+        return unit_lower_inverse(a, precision)
+    # Static slices, not a gather over a reshaped view: the gather form crashed XLA:CPU's compiler (jaxlib 0.10.2).
+    def blocks(size: int, rows: range, offset: int) -> jax.Array:  # [..., len(rows), size, size]
+        return jnp.stack([a[..., (i + offset) * size:(i + offset + 1) * size, i * size:(i + 1) * size]
+                          for i in rows], axis=-3)
+
+    inverse = unit_lower_inverse(blocks(block, range(m), 0), precision)  # [..., m, b, b]
+    size = block
+    while size < c:
+        upper, lower = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        below = blocks(size, range(0, c // size, 2), 1)  # A21 of each pair
+        corner = -_matmul(_matmul(lower, below, precision), upper, precision)
+        top = jnp.concatenate([upper, jnp.zeros_like(upper)], axis=-1)
+        inverse = jnp.concatenate([top, jnp.concatenate([corner, lower], axis=-1)], axis=-2)
+        size *= 2
+    return inverse[..., 0, :, :]
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_impl: str | None = None,
-                           precision=None):
+                           precision=None, ut_block: int | None = None):
     """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one
     (`pallas_kernels.delta_rule.recurrent_rule_jnp`; decode, verify and the replay run `gated_delta_decode`, that
     rule from the conv output, on a GPU a kernel that reads and writes the state once). The sequential part over
     the chunks runs as `pallas_kernels.delta_chunk.chunk_scan`; `scan_impl` (default `SCAN_IMPL`): "auto" as
     `delta_chunk.resolve_impl` picks, "jnp" a loop over chunks, "assoc" a parallel prefix, "pallas" the kernel (in
-    interpret mode off a GPU). `precision`: the UT system's matmuls (default `PREP_PRECISION`)."""
+    interpret mode off a GPU). `precision`: the UT system's matmuls (default `PREP_PRECISION`); `ut_block`: its
+    inverse's diagonal blocks (default `UT_BLOCK`; 0: doubling over the whole chunk)."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
@@ -77,9 +108,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_imp
     diff = cum[..., :, None] - cum[..., None, :]
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    # (I + A) with A strictly lower: the UT system, applied through its inverse (`unit_lower_inverse`).
+    # (I + A) with A strictly lower: the UT system, applied through its inverse.
     a_mat = jnp.where(strict, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
-    inverse = unit_lower_inverse(a_mat, precision)
+    block = UT_BLOCK if ut_block is None else ut_block
+    inverse = unit_lower_inverse_blocked(a_mat, block, precision) if block else unit_lower_inverse(a_mat, precision)
     new_values = _matmul(inverse, v_beta, precision)
     k_cumdecay = _matmul(inverse, k_beta * jnp.exp(cum)[..., None], precision)
     intra = jnp.where(lower, jnp.einsum("...ik,...jk->...ij", q, k) * decay, 0.0)

@@ -111,15 +111,18 @@ def test_deltanet_mode_runs(tmp_path):
 def test_deltanet_mode_times_the_chunked_rule(tmp_path, capsys):
     out = tmp_path / "deltanet.json"
     assert main(["--mode", "deltanet", "--preset", "tiny", "--slots", "1", "--deltanet-tokens", "",
-                 "--deltanet-prefill-tokens", "130", "--deltanet-prefill-variants", "jnp,assoc,assoc+x6",
-                 "--deltanet-iters", "1", "--steps", "1", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+                 "--deltanet-prefill-tokens", "130", "--deltanet-prefill-variants",
+                 "jnp,assoc,assoc+x6,jnp+ut0,jnp+x3+ut8", "--deltanet-iters", "1", "--steps", "1",
+                 "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["tokens"], r["variant"]) for r in rows] == [(130, "jnp"), (130, "assoc"), (130, "assoc+x6")]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [(130, v) for v in ("jnp", "assoc", "assoc+x6", "jnp+ut0",
+                                                                               "jnp+x3+ut8")]
     assert all(r["max_rel_err"] < 1e-4 and r["us_per_layer"] > 0 for r in rows)
     assert "max rel err (vs float32 loop)" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="bad --deltanet-prefill-variants"):
-        main(["--mode", "deltanet", "--preset", "tiny", "--deltanet-prefill-tokens", "64",
-              "--deltanet-prefill-variants", "assoc+fp8"])
+    for bad in ("assoc+fp8", "jnp+ut", "jnp+ut0+ut16", "jnp+x3+x6"):
+        with pytest.raises(SystemExit, match="bad --deltanet-prefill-variants"):
+            main(["--mode", "deltanet", "--preset", "tiny", "--deltanet-prefill-tokens", "64",
+                  "--deltanet-prefill-variants", bad])
 
 
 def test_hyper_mode_runs(tmp_path):
@@ -374,17 +377,22 @@ def test_prefill_mode_runs_one_engine_per_deltanet_form(tmp_path, monkeypatch):
     from pallas_kernels import delta_chunk
     from strata_jax.model import deltanet
 
-    calls = []
+    calls, blocked = [], []
     real = delta_chunk.chunk_scan_assoc
     monkeypatch.setattr(delta_chunk, "chunk_scan_assoc", lambda *a: calls.append(1) or real(*a))
+    real_blocked = deltanet.unit_lower_inverse_blocked
+    monkeypatch.setattr(deltanet, "unit_lower_inverse_blocked",
+                        lambda *a: blocked.append(deltanet.SCAN_IMPL) or real_blocked(*a))
     out = tmp_path / "prefill.json"
     assert main(["--mode", "prefill", "--preset", "tiny", "--dtype", "float32", "--prompt-lengths", "40",
-                 "--ctx", "64", "--prefill-chunks", "32", "--deltanet-forms", "jnp,assoc+x3", "--json",
+                 "--ctx", "64", "--prefill-chunks", "32", "--deltanet-forms", "jnp+ut0,assoc+x3", "--json",
                  str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["deltanet_form"], r["prompt_tokens"]) for r in rows] == [("jnp", 40), ("assoc+x3", 40)]
+    assert [(r["deltanet_form"], r["prompt_tokens"]) for r in rows] == [("jnp+ut0", 40), ("assoc+x3", 40)]
     assert calls  # traced while the second engine warmed up, not before
+    assert set(blocked) == {"assoc"}  # the UT system in blocks by default; ut0 (the first engine) doubled instead
     assert deltanet.SCAN_IMPL == "auto" and deltanet.PREP_PRECISION == jax.lax.Precision.HIGHEST
+    assert deltanet.UT_BLOCK == 16
     with pytest.raises(SystemExit, match="bad --deltanet-forms"):
         main(["--mode", "prefill", "--preset", "tiny", "--deltanet-forms", "pallas"])
 

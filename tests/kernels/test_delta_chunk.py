@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import delta_chunk
-from pallas_kernels.delta_chunk import chunk_scan, chunk_scan_assoc, chunk_scan_jnp
+from pallas_kernels.delta_chunk import chunk_scan, chunk_scan_assoc, chunk_scan_jnp, chunk_scan_states
 
 
 def _numpy_scan(u, w, q, k, a, decay, state):
@@ -47,13 +47,15 @@ def test_kernel_matches_numpy_and_the_scan(b, h, n, c, dk, dv, block_v):
     np.testing.assert_allclose(np.asarray(state), np.asarray(ref_state), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["assoc", "states"])
 @pytest.mark.parametrize("n", [1, 2, 5, 64])
-def test_parallel_prefix_matches_numpy(n):
+def test_parallel_prefix_and_states_forms_match_numpy(n, impl):
     """Any chunk count (a power of two or not, one chunk) and a non-zero starting state; decays as in a real
-    prompt, so a wrong order of composition or a dropped initial state would show."""
+    prompt, so a wrong order of composition, a dropped initial state or outputs taken from the state after their
+    chunk instead of before would show."""
     args = _scan_inputs(2, 3, n, 16, 16, 32, seed=n)
     want_out, want_state = _numpy_scan(*args)
-    out, state = jax.jit(lambda *a: chunk_scan(*a, impl="assoc"))(*map(jnp.asarray, args))
+    out, state = jax.jit(lambda *a: chunk_scan(*a, impl=impl))(*map(jnp.asarray, args))
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(state), want_state, rtol=1e-5, atol=1e-5)
 
@@ -129,13 +131,14 @@ def test_kernel_on_gpu_at_flash_next_shapes():
 
 
 @pytest.mark.gpu
-def test_parallel_prefix_on_gpu_at_flash_next_shapes():
-    """The parallel prefix at XLA's default precision against float64: within 2x of the loop's error at the same
-    precision (a tree of products rounds differently from a chain, not worse by more than that)."""
+@pytest.mark.parametrize("form", [chunk_scan_assoc, chunk_scan_states])
+def test_other_forms_on_gpu_at_flash_next_shapes(form):
+    """The parallel prefix and the states form at XLA's default precision against float64: within 2x of the loop's
+    error at the same precision (a tree of products rounds differently from a chain, not worse by more than that)."""
     args = _scan_inputs(1, 48, 64, 64, 128, 128, seed=4)
     want_out, want_state = _numpy_scan(*args)
     dev = [jnp.asarray(x) for x in args]
-    out, state = jax.jit(chunk_scan_assoc)(*dev)
+    out, state = jax.jit(form)(*dev)
     ref_out, ref_state = jax.jit(chunk_scan_jnp)(*dev)
     for got, ref, want in ((out, ref_out, want_out), (state, ref_state, want_state)):
         err = np.abs(np.asarray(got) - want).max()

@@ -56,7 +56,7 @@ def test_chunked_rule_through_the_scan_kernel_matches_numpy():
     np.testing.assert_allclose(np.asarray(state), want_state, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("scan_impl", ["jnp", "assoc"])
+@pytest.mark.parametrize("scan_impl", ["jnp", "assoc", "states"])
 @pytest.mark.parametrize("precision", [None, jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6])
 def test_chunked_rule_per_scan_form_and_precision_matches_numpy(scan_impl, precision):
     """300 tokens (5 chunks, the last padded) through each scan form, the UT system in full float32 or six bf16

@@ -1,6 +1,6 @@
-"""The Gated DeltaNet chunks' UT system applied through `unit_lower_inverse` (doubling, batched matmuls) instead of
-XLA's triangular solve: the inverse equals numpy's float64 one, and chunked prefill equals a float64 numpy
-token-by-token recurrence."""
+"""The Gated DeltaNet chunks' UT system applied through its inverse (batched matmuls: doubling, or by default
+diagonal blocks merged pairwise, `deltanet.UT_BLOCK`) instead of XLA's triangular solve: the inverse equals numpy's
+float64 one, and chunked prefill equals a float64 numpy token-by-token recurrence."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from strata_jax.model.deltanet import chunk_gated_delta_rule, unit_lower_inverse
+from strata_jax.model.deltanet import chunk_gated_delta_rule, unit_lower_inverse, unit_lower_inverse_blocked
 
 
 @pytest.mark.parametrize("c", [1, 2, 5, 48, 64])
@@ -17,6 +17,17 @@ def test_inverse_matches_float64(c):
     a = np.tril(rng.standard_normal((3, c, c)) * 0.3, -1)
     want = np.linalg.inv(np.eye(c) + a)
     np.testing.assert_allclose(np.asarray(unit_lower_inverse(jnp.asarray(a, jnp.float32))), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("c,block", [(64, 16), (64, 8), (32, 16), (128, 16), (16, 16), (48, 16), (64, 64)])
+def test_blocked_inverse_matches_float64(c, block):
+    """Blocks merged pairwise (or, where C is not block x 2^k, doubling) give numpy's inverse, batch dims kept."""
+    rng = np.random.default_rng(c + block)
+    a = np.tril(rng.standard_normal((2, 3, c, c)) * 0.3 / np.sqrt(c / 16), -1)
+    want = np.linalg.inv(np.eye(c) + a)
+    got = np.asarray(unit_lower_inverse_blocked(jnp.asarray(a, jnp.float32), block))
+    assert got.shape == a.shape
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def _recurrence(q, k, v, g, beta):
@@ -31,7 +42,8 @@ def _recurrence(q, k, v, g, beta):
     return out, state
 
 
-def test_chunked_rule_matches_the_float64_recurrence():
+@pytest.mark.parametrize("ut_block", [None, 0, 8])
+def test_chunked_rule_matches_the_float64_recurrence(ut_block):
     rng = np.random.default_rng(0)
     b, t, h, d = 2, 200, 4, 32  # 200: three full chunks of 64 and a padded one
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
@@ -39,7 +51,7 @@ def test_chunked_rule_matches_the_float64_recurrence():
     v = rng.standard_normal((b, t, h, d))
     g, beta = -rng.uniform(0.01, 0.5, (b, t, h)), rng.uniform(0.1, 0.99, (b, t, h))
     out, state = chunk_gated_delta_rule(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)),
-                                        jnp.zeros((b, h, d, d), jnp.float32))
+                                        jnp.zeros((b, h, d, d), jnp.float32), ut_block=ut_block)
     want_out, want_state = _recurrence(q, k, v, g, beta)
     np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5)
     np.testing.assert_allclose(np.asarray(state), want_state, atol=2e-5)
