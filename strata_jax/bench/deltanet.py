@@ -9,11 +9,12 @@ the launch of the timing call does not count.
 
 With `--deltanet-prefill-tokens`, also the chunked rule of a prefill chunk (`strata_jax.model.deltanet
 .chunk_gated_delta_rule`: the UT system per 64-token chunk, then the recurrence over chunks) per variant
-`<scan>[+<precision>][+ut<N>]`: the scan as a loop over chunks (`jnp`), a parallel prefix (`assoc`) or the Pallas
-kernel (`pallas`), the UT system's matmuls at `highest` (the default), `x6` / `x3` (six or three bf16 passes),
-`tf32` or `default`, and its inverse in diagonal blocks of N tokens (`ut16`, the default) or by doubling over the
-whole chunk (`ut0`). Its error is against the loop with every matmul in full float32; its floor is the rule's float32
-inputs read and outputs written once."""
+`<scan>[+<precision>][+ut<N>]`: the scan as a loop over chunks (`jnp`), a loop of the state's path alone with the
+outputs after it (`states`), a parallel prefix (`assoc`) or the Pallas kernel (`pallas`), the UT system's matmuls at
+`highest` (the default), `x6` / `x3` (six or three bf16 passes), `tf32` or `default`, and its inverse in diagonal
+blocks of N tokens (`ut16`) or by doubling over the whole chunk (`ut0`); without it the model's default for the
+backend (`deltanet.UT_BLOCK`, `UT_BLOCK_GPU`). Its error is against the loop with every matmul in full float32 and
+the inverse doubled; its floor is the rule's float32 inputs read and outputs written once."""
 
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ def deltanet_args(p) -> None:
     p.add_argument("--deltanet-prefill-tokens", default="",
                    help="deltanet mode: comma-separated prompt-chunk lengths for the chunked rule (default: none)")
     p.add_argument("--deltanet-prefill-variants", default="jnp,assoc,assoc+x6",
-                   help="deltanet mode: <scan>[+<precision>][+ut<N>] per chunked-rule row; scan jnp | assoc | "
-                        f"pallas, precision of the UT system {' | '.join(PREP_PRECISIONS)} (default highest), its "
-                        "inverse in blocks of N tokens (ut0: doubling over the chunk; default the model's UT_BLOCK)")
+                   help="deltanet mode: <scan>[+<precision>][+ut<N>] per chunked-rule row; scan jnp | states | "
+                        f"assoc | pallas, precision of the UT system {' | '.join(PREP_PRECISIONS)} (default "
+                        "highest), its inverse in blocks of N tokens (ut0: doubling over the chunk; default: the "
+                        "model's for the backend)")
 
 
 def _rule(variant: str, k_heads: int):

@@ -37,8 +37,8 @@ def prefill_args(p: argparse.ArgumentParser) -> None:
                         "cost; every prompt here is new, so nothing is reused; 0 = off)")
     g.add_argument("--deltanet-forms", default="auto",
                    help="comma-separated forms of the Gated DeltaNet chunks, one engine each: auto (the engine's "
-                        "choice) or <jnp|assoc>[+<" + "|".join(PREP_PRECISIONS) + ">][+ut<N>] (the UT system's inverse "
-                        "in blocks of N tokens, ut0: doubling over the chunk; default auto)")
+                        "choice) or <jnp|states|assoc>[+<" + "|".join(PREP_PRECISIONS) + ">][+ut<N>] (the UT system's "
+                        "inverse in blocks of N tokens, ut0: doubling over the chunk; default auto)")
 
 
 @contextlib.contextmanager
@@ -48,13 +48,14 @@ def deltanet_form(form: str):
         yield
         return
     scan, precision, block = parse_form(form, ("jnp", "assoc", "states"), "--deltanet-forms")
-    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK
+    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK, deltanet.UT_BLOCK_GPU
     deltanet.SCAN_IMPL, deltanet.PREP_PRECISION = scan, precision
-    deltanet.UT_BLOCK = deltanet.UT_BLOCK if block is None else block
+    if block is not None:
+        deltanet.UT_BLOCK = deltanet.UT_BLOCK_GPU = block
     try:
         yield
     finally:
-        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK = saved
+        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK, deltanet.UT_BLOCK_GPU = saved
 
 
 def prefill_flops(cfg: ModelConfig, n_tokens: int) -> dict[str, float]:

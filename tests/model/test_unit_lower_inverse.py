@@ -1,14 +1,20 @@
-"""The Gated DeltaNet chunks' UT system applied through its inverse (batched matmuls: doubling, or by default
-diagonal blocks merged pairwise, `deltanet.UT_BLOCK`) instead of XLA's triangular solve: the inverse equals numpy's
-float64 one, and chunked prefill equals a float64 numpy token-by-token recurrence."""
+"""The Gated DeltaNet chunks' UT system applied through its inverse (batched matmuls: doubling, or off a GPU by
+default diagonal blocks merged pairwise, `deltanet.UT_BLOCK`) instead of XLA's triangular solve: the inverse equals
+numpy's float64 one, and chunked prefill equals a float64 numpy token-by-token recurrence."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from strata_jax.model.deltanet import chunk_gated_delta_rule, unit_lower_inverse, unit_lower_inverse_blocked
+from strata_jax.model import deltanet
+from strata_jax.model.deltanet import (
+    chunk_gated_delta_rule,
+    unit_lower_inverse,
+    unit_lower_inverse_blocked,
+)
 
 
 @pytest.mark.parametrize("c", [1, 2, 5, 48, 64])
@@ -55,3 +61,18 @@ def test_chunked_rule_matches_the_float64_recurrence(ut_block):
     want_out, want_state = _recurrence(q, k, v, g, beta)
     np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5)
     np.testing.assert_allclose(np.asarray(state), want_state, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend,blocked", [("cpu", True), ("gpu", False)])
+def test_the_backend_picks_the_inverse(monkeypatch, backend, blocked):
+    """Blocks off a GPU (measured faster on the CPU); doubling on a GPU until measured there (`UT_BLOCK_GPU`)."""
+    calls = []
+    real = deltanet.unit_lower_inverse_blocked
+    monkeypatch.setattr(deltanet, "unit_lower_inverse_blocked", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    rng = np.random.default_rng(1)
+    args = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in ((1, 64, 2, 16),) * 3]
+    g, beta = jnp.full((1, 64, 2), -0.1), jnp.full((1, 64, 2), 0.5)
+    chunk_gated_delta_rule(*args, g, beta, jnp.zeros((1, 2, 16, 16)), scan_impl="jnp")
+    assert bool(calls) == blocked
+
