@@ -62,10 +62,10 @@ def unit_lower_inverse_blocked(a: jax.Array, block: int = 16, precision=None) ->
     pairs of neighbouring inverses merged into ones twice their size, (I + A)^-1 of [[A11, 0], [A21, A22]] being
     [[X11, 0], [-X22 A21 X11, X22]]. For C = 64 that is ~20x fewer multiply-adds than doubling the whole chunk and
     far less memory traffic (the [C, C] arrays are only formed at the last merge). C must be `block` times a power
-    of two, else this is `unit_lower_inverse`."""
+    of two, else (and for `block` <= 0) this is `unit_lower_inverse`."""
     c = a.shape[-1]
-    m = c // block
-    if block >= c or c % block or m & (m - 1):
+    m = c // block if block > 0 else 0
+    if m < 2 or c % block or m & (m - 1):
         return unit_lower_inverse(a, precision)
     # Static slices, not a gather over a reshaped view: the gather form crashed XLA:CPU's compiler (jaxlib 0.10.2).
     def blocks(size: int, rows: range, offset: int) -> jax.Array:  # [..., len(rows), size, size]
@@ -87,12 +87,13 @@ def unit_lower_inverse_blocked(a: jax.Array, block: int = 16, precision=None) ->
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_impl: str | None = None,
                            precision=None, ut_block: int | None = None):
     """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one
-    (`pallas_kernels.delta_rule.recurrent_rule_jnp`; decode, verify and the replay run `gated_delta_decode`, that
-    rule from the conv output, on a GPU a kernel that reads and writes the state once). The sequential part over
-    the chunks runs as `pallas_kernels.delta_chunk.chunk_scan`; `scan_impl` (default `SCAN_IMPL`): "auto" as
-    `delta_chunk.resolve_impl` picks, "jnp" a loop over chunks, "assoc" a parallel prefix, "pallas" the kernel (in
-    interpret mode off a GPU). `precision`: the UT system's matmuls (default `PREP_PRECISION`); `ut_block`: its
-    inverse's diagonal blocks (default `UT_BLOCK`, on a GPU `UT_BLOCK_GPU`; 0: doubling over the whole chunk)."""
+    (`pallas_kernels.delta_rule.recurrent_rule_jnp`; decode, verify and the replay run `gated_delta_decode`,
+    that rule from the conv output, on a GPU a kernel that reads and writes the state once). The sequential part
+    over the chunks runs as `pallas_kernels.delta_chunk.chunk_scan`; `scan_impl` (default `SCAN_IMPL`): "auto"
+    as `delta_chunk.resolve_impl` picks, "jnp" a loop over chunks, "states" a loop of the state's path alone,
+    "assoc" a parallel prefix, "pallas" the kernel (in interpret mode off a GPU). `precision`: the UT system's
+    matmuls (default `PREP_PRECISION`); `ut_block`: its inverse's diagonal blocks (default `UT_BLOCK`, on a GPU
+    `UT_BLOCK_GPU`; 0: doubling over the whole chunk)."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
