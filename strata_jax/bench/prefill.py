@@ -48,14 +48,14 @@ def deltanet_form(form: str):
         yield
         return
     scan, precision, block = parse_form(form, ("jnp", "assoc", "states"), "--deltanet-forms")
-    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK, deltanet.UT_BLOCK_GPU
+    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK
     deltanet.SCAN_IMPL, deltanet.PREP_PRECISION = scan, precision
     if block is not None:
-        deltanet.UT_BLOCK = deltanet.UT_BLOCK_GPU = block
+        deltanet.UT_BLOCK = block
     try:
         yield
     finally:
-        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK, deltanet.UT_BLOCK_GPU = saved
+        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK = saved
 
 
 def prefill_flops(cfg: ModelConfig, n_tokens: int) -> dict[str, float]:

@@ -29,10 +29,9 @@ PREP_PRECISION = jax.lax.Precision.HIGHEST
 # The scan over chunks when a call names none (`pallas_kernels.delta_chunk.IMPLS`); benchmarks set it per engine.
 SCAN_IMPL = "auto"
 # The UT system's inverse in diagonal blocks of this many tokens merged pairwise (`unit_lower_inverse_blocked`);
-# 0: doubling over the whole chunk (`unit_lower_inverse`), the form before 2026-12-06. Off a GPU blocks (measured
-# faster on the CPU); on a GPU doubling until `bench --mode deltanet` has measured the blocks there (docs/PERF.md).
+# 0: doubling over the whole chunk (`unit_lower_inverse`), the form before 2026-12-06. Measured faster on both:
+# 8.4x for one layer's inverse on the CPU; the whole rule 1.21x on an H100, a 20,000-token prefill 5% (docs/PERF.md).
 UT_BLOCK = 16
-UT_BLOCK_GPU = 0
 
 
 def _matmul(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
@@ -92,8 +91,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_imp
     over the chunks runs as `pallas_kernels.delta_chunk.chunk_scan`; `scan_impl` (default `SCAN_IMPL`): "auto"
     as `delta_chunk.resolve_impl` picks, "jnp" a loop over chunks, "states" a loop of the state's path alone,
     "assoc" a parallel prefix, "pallas" the kernel (in interpret mode off a GPU). `precision`: the UT system's
-    matmuls (default `PREP_PRECISION`); `ut_block`: its inverse's diagonal blocks (default `UT_BLOCK`, on a GPU
-    `UT_BLOCK_GPU`; 0: doubling over the whole chunk)."""
+    matmuls (default `PREP_PRECISION`); `ut_block`: its inverse's diagonal blocks (default `UT_BLOCK`; 0: doubling
+    over the whole chunk)."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
@@ -113,7 +112,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_imp
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     # (I + A) with A strictly lower: the UT system, applied through its inverse.
     a_mat = jnp.where(strict, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
-    block = ut_block if ut_block is not None else UT_BLOCK_GPU if jax.default_backend() == "gpu" else UT_BLOCK
+    block = UT_BLOCK if ut_block is None else ut_block
     inverse = unit_lower_inverse_blocked(a_mat, block, precision) if block else unit_lower_inverse(a_mat, precision)
     new_values = _matmul(inverse, v_beta, precision)
     k_cumdecay = _matmul(inverse, k_beta * jnp.exp(cum)[..., None], precision)

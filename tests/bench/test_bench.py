@@ -392,7 +392,7 @@ def test_prefill_mode_runs_one_engine_per_deltanet_form(tmp_path, monkeypatch):
     assert calls  # traced while the second engine warmed up, not before
     assert set(blocked) == {"assoc"}  # the UT system in blocks by default; ut0 (the first engine) doubled instead
     assert deltanet.SCAN_IMPL == "auto" and deltanet.PREP_PRECISION == jax.lax.Precision.HIGHEST
-    assert deltanet.UT_BLOCK == 16 and deltanet.UT_BLOCK_GPU == 0
+    assert deltanet.UT_BLOCK == 16
     with pytest.raises(SystemExit, match="bad --deltanet-forms"):
         main(["--mode", "prefill", "--preset", "tiny", "--deltanet-forms", "pallas"])
 

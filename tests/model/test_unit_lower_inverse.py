@@ -1,5 +1,5 @@
-"""The Gated DeltaNet chunks' UT system applied through its inverse (batched matmuls: doubling, or off a GPU by
-default diagonal blocks merged pairwise, `deltanet.UT_BLOCK`) instead of XLA's triangular solve: the inverse equals
+"""The Gated DeltaNet chunks' UT system applied through its inverse (batched matmuls: by default diagonal blocks
+merged pairwise, `deltanet.UT_BLOCK`, or doubling) instead of XLA's triangular solve: the inverse equals
 numpy's float64 one, and chunked prefill equals a float64 numpy token-by-token recurrence."""
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def test_chunked_rule_matches_the_float64_recurrence(ut_block):
     np.testing.assert_allclose(np.asarray(state), want_state, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend,blocked", [("cpu", True), ("gpu", False)])
-def test_the_backend_picks_the_inverse(monkeypatch, backend, blocked):
-    """Blocks off a GPU (measured faster on the CPU); doubling on a GPU until measured there (`UT_BLOCK_GPU`)."""
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("ut_block,blocked", [(None, True), (0, False)])
+def test_the_default_inverse_is_blocked_on_every_backend(monkeypatch, backend, ut_block, blocked):
+    """Blocks by default wherever it runs (measured faster on the CPU and on an H100); `ut_block=0` doubles."""
     calls = []
     real = deltanet.unit_lower_inverse_blocked
     monkeypatch.setattr(deltanet, "unit_lower_inverse_blocked", lambda *a: calls.append(1) or real(*a))
@@ -73,6 +74,6 @@ def test_the_backend_picks_the_inverse(monkeypatch, backend, blocked):
     rng = np.random.default_rng(1)
     args = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in ((1, 64, 2, 16),) * 3]
     g, beta = jnp.full((1, 64, 2), -0.1), jnp.full((1, 64, 2), 0.5)
-    chunk_gated_delta_rule(*args, g, beta, jnp.zeros((1, 2, 16, 16)), scan_impl="jnp")
+    chunk_gated_delta_rule(*args, g, beta, jnp.zeros((1, 2, 16, 16)), scan_impl="jnp", ut_block=ut_block)
     assert bool(calls) == blocked
 
