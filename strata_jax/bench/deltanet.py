@@ -13,8 +13,8 @@ With `--deltanet-prefill-tokens`, also the chunked rule of a prefill chunk (`str
 outputs after it (`states`), a parallel prefix (`assoc`) or the Pallas kernel (`pallas`), the UT system's matmuls at
 `highest` (the default), `x6` / `x3` (six or three bf16 passes), `tf32` or `default`, and its inverse in diagonal
 blocks of N tokens (`ut16`) or by doubling over the whole chunk (`ut0`); without it the model's default
-(`deltanet.UT_BLOCK`). Its error is against the loop with every matmul in full float32 and
-the inverse doubled; its floor is the rule's float32 inputs read and outputs written once."""
+(`deltanet.UT_BLOCK`). Its error is against the loop with every matmul in full float32 and the inverse doubled; its
+floor is the rule's float32 inputs read and outputs written once."""
 
 from __future__ import annotations
 
