@@ -9,15 +9,19 @@ the launch of the timing call does not count.
 
 With `--deltanet-prefill-tokens`, also the chunked rule of a prefill chunk (`strata_jax.model.deltanet
 .chunk_gated_delta_rule`: the UT system per 64-token chunk, then the recurrence over chunks) per variant
-`<scan>[+<precision>][+ut<N>]`: the scan as a loop over chunks (`jnp`), a loop of the state's path alone with the
-outputs after it (`states`), a parallel prefix (`assoc`) or the Pallas kernel (`pallas`), the UT system's matmuls at
-`highest` (the default), `x6` / `x3` (six or three bf16 passes), `tf32` or `default`, and its inverse in diagonal
-blocks of N tokens (`ut16`) or by doubling over the whole chunk (`ut0`); without it the model's default
-(`deltanet.UT_BLOCK`). Its error is against the loop with every matmul in full float32 and the inverse doubled; its
-floor is the rule's float32 inputs read and outputs written once."""
+`<scan>[+<precision>][+ut<N>][+prep...]`: the scan as a loop over chunks (`jnp`), a loop of the state's path alone
+with the outputs after it (`states`), a parallel prefix (`assoc`) or the Pallas kernel (`pallas`, with its column
+block, warps, pipeline stages and dot precision as `pallas_bv64_w8_s2_tf32x3`; `delta_chunk`'s defaults otherwise);
+the UT system's matmuls at `highest` (the default), `x6` / `x3` (six or three bf16 passes), `tf32` or `default`; its
+inverse in diagonal blocks of N tokens (`ut16`) or by doubling over the whole chunk (`ut0`), without it the model's
+default (`deltanet.UT_BLOCK`); `+prep[_w<W>][_<dot precision>]` runs the per-chunk part as one Pallas kernel
+(`pallas_kernels.delta_prep`; the UT precision and blocks then do not apply). Its error is against the loop with
+every matmul in full float32 and the inverse doubled; its floor is the rule's float32 inputs read and outputs
+written once."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 import time
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import delta_rule
+from pallas_kernels import delta_chunk, delta_prep, delta_rule
 from strata_jax.model.deltanet import chunk_gated_delta_rule
 from strata_jax.bench.common import max_rel_diff, print_variant_table
 from strata_jax.bench.floors import copy_bandwidth
@@ -51,10 +55,12 @@ def deltanet_args(p) -> None:
     p.add_argument("--deltanet-prefill-tokens", default="",
                    help="deltanet mode: comma-separated prompt-chunk lengths for the chunked rule (default: none)")
     p.add_argument("--deltanet-prefill-variants", default="jnp,assoc,assoc+x6",
-                   help="deltanet mode: <scan>[+<precision>][+ut<N>] per chunked-rule row; scan jnp | states | "
-                        f"assoc | pallas, precision of the UT system {' | '.join(PREP_PRECISIONS)} (default "
-                        "highest), its inverse in blocks of N tokens (ut0: doubling over the chunk; default: the "
-                        "model's for the backend)")
+                   help="deltanet mode: <scan>[+<precision>][+ut<N>][+prep[_w<W>][_<dot precision>]] per "
+                        "chunked-rule row; scan jnp | states | assoc | pallas[_bv<N>][_w<W>][_s<S>][_<dot precision>] "
+                        f"(the kernel's column block, warps, stages and {' | '.join(delta_chunk.KERNEL_PRECISIONS)}"
+                        f"), precision of the UT system {' | '.join(PREP_PRECISIONS)} (default highest), its inverse "
+                        "in blocks of N tokens (ut0: doubling over the chunk; default: the model's), prep: the "
+                        "per-chunk part as one Pallas kernel")
 
 
 def _rule(variant: str, k_heads: int):
@@ -105,29 +111,98 @@ def _us_per_layer(rule, inputs: tuple, state, iters: int, steps: int) -> float:
 
 
 _UT = re.compile(r"ut(\d+)")
+_KERNEL_PART = re.compile(r"(bv|w|s)(\d+)")
 
 
-def parse_form(form: str, scans: tuple[str, ...], flag: str) -> tuple[str, object, int | None]:
-    """`<scan>[+<precision>][+ut<N>]` -> (scan, the UT system's precision, its inverse's block or None for the
-    model's default); a bad entry exits naming `flag`."""
+def kernel_settings(scan: str) -> dict | None:
+    """`pallas[_bv<N>][_w<W>][_s<S>][_<precision>]` -> the scan kernel's settings for `delta_chunk.chunk_scan`
+    (block_v, num_warps, num_stages, precision; the module's defaults where not named); None if malformed."""
+    name, *parts = scan.split("_")
+    if name != "pallas":
+        return None
+    settings = {}
+    for part in parts:
+        m = _KERNEL_PART.fullmatch(part)
+        key = {"bv": "block_v", "w": "num_warps", "s": "num_stages"}[m[1]] if m else "precision"
+        if key in settings or (not m and part not in delta_chunk.KERNEL_PRECISIONS):
+            return None
+        settings[key] = int(m[2]) if m else part
+    return settings
+
+
+def parse_form(form: str, scans: tuple[str, ...], flag: str) -> tuple[str, object, int | None, dict | None]:
+    """`<scan>[+<precision>][+ut<N>][+prep[_w<W>][_<dot precision>]]` -> (scan, the UT system's precision, its
+    inverse's block or None for the model's default, the prep kernel's settings or None for the XLA prep); where
+    `scans` has "pallas", the scan may carry the kernel's settings (`kernel_settings`). A bad entry exits naming
+    `flag`."""
     scan, *rest = form.split("+")
-    precision, block = "highest", None
+    precision, block, prep = "highest", None, None
     for part in rest:
         if part in PREP_PRECISIONS and precision == "highest":
             precision = part
         elif (m := _UT.fullmatch(part)) and block is None:
             block = int(m[1])
+        elif part.split("_")[0] == "prep" and prep is None and "pallas" in scans:
+            prep = kernel_settings(part.replace("prep", "pallas", 1))
+            if prep is None or {"block_v", "num_stages"} & set(prep):
+                scan = None
         else:
             scan = None
-    if scan not in scans:
-        raise SystemExit(f"bad {flag} entry {form!r}: expected <{'|'.join(scans)}>[+<{'|'.join(PREP_PRECISIONS)}>]"
-                         "[+ut<N>]")
-    return scan, PREP_PRECISIONS[precision], block
+    known = scan in scans or ("pallas" in scans and kernel_settings(scan or "") is not None)
+    if not known:
+        kernel = "|pallas[_bv<N>][_w<W>][_s<S>][_<" + "|".join(delta_chunk.KERNEL_PRECISIONS) + ">]"
+        prep_form = "[+prep[_w<W>][_<dot precision>]]" if "pallas" in scans else ""
+        raise SystemExit(f"bad {flag} entry {form!r}: expected <{'|'.join(s for s in scans if s != 'pallas')}"
+                         f"{kernel if 'pallas' in scans else ''}>[+<{'|'.join(PREP_PRECISIONS)}>][+ut<N>]{prep_form}")
+    return scan, PREP_PRECISIONS[precision], block, prep
+
+
+@contextlib.contextmanager
+def prep_kernel(settings: dict | None):
+    """While inside, the per-chunk part runs as the Pallas kernel with `settings` (num_warps, precision; the
+    module's defaults where not named); yields the `prep_impl` for `chunk_gated_delta_rule` ("jnp" for None)."""
+    if settings is None:
+        yield "jnp"
+        return
+    names = {"num_warps": "NUM_WARPS", "precision": "PRECISION"}
+    saved = {names[k]: getattr(delta_prep, names[k]) for k in settings}
+    for key, value in settings.items():
+        setattr(delta_prep, names[key], value)
+    try:
+        yield "pallas"
+    finally:
+        for name, value in saved.items():
+            setattr(delta_prep, name, value)
+
+
+@contextlib.contextmanager
+def scan_kernel(scan: str):
+    """While inside, the scan kernel runs with the settings `scan` names (`kernel_settings`); yields the impl name
+    for `chunk_scan` ("pallas" for any kernel form, else `scan` itself)."""
+    settings = kernel_settings(scan)
+    if settings is None:
+        yield scan
+        return
+    names = {"block_v": "BLOCK_V", "num_warps": "NUM_WARPS", "num_stages": "NUM_STAGES",
+             "precision": "KERNEL_PRECISION"}
+    saved = {names[k]: getattr(delta_chunk, names[k]) for k in settings}
+    for key, value in settings.items():
+        setattr(delta_chunk, names[key], value)
+    try:
+        yield "pallas"
+    finally:
+        for name, value in saved.items():
+            setattr(delta_chunk, name, value)
 
 
 def _chunked(variant: str):
-    scan, prec, block = parse_form(variant, ("jnp", "assoc", "states", "pallas"), "--deltanet-prefill-variants")
-    return lambda *a: chunk_gated_delta_rule(*a, scan_impl=scan, precision=prec, ut_block=block)
+    scan, prec, block, prep = parse_form(variant, ("jnp", "assoc", "states", "pallas"),
+                                         "--deltanet-prefill-variants")
+
+    def rule(*a):
+        with scan_kernel(scan) as impl, prep_kernel(prep) as prep_impl:  # the settings are read while tracing
+            return chunk_gated_delta_rule(*a, scan_impl=impl, precision=prec, ut_block=block, prep_impl=prep_impl)
+    return rule
 
 
 def _prefill_inputs(key, slots: int, t: int, h: int, dk: int, dv: int):

@@ -8,8 +8,10 @@ is the prompt's matmul work (`prefill_flops`: every weight a token passes throug
 over the bf16 matmul rate measured on the device (`matmul_rate`).
 
 `--deltanet-forms` runs the lengths once per form of the Gated DeltaNet chunks, one engine each on the same weights:
-`<scan>[+<precision>]` as in `--mode deltanet` (the scan over chunks as a loop, `jnp`, or a parallel prefix,
-`assoc`; the UT system's matmul precision), so an A/B of the forms shares one process and one model.
+`<scan>[+<precision>][+ut<N>]` as in `--mode deltanet` (the scan over chunks as a loop, `jnp`, the states loop,
+`states`, a parallel prefix, `assoc`, or the Pallas kernel with its settings, `pallas_bv64_w8_tf32x3`; the UT system's
+matmul precision; its inverse's blocks; `+prep`: the per-chunk part as one Pallas kernel), so an A/B of the forms
+shares one process and one model.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import contextlib
 import time
 
 from strata_jax.bench.common import matmul_rate
-from strata_jax.bench.deltanet import PREP_PRECISIONS, parse_form
+from strata_jax.bench.deltanet import PREP_PRECISIONS, parse_form, prep_kernel, scan_kernel
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.model import deltanet
 from strata_jax.model.config import ModelConfig
@@ -37,8 +39,10 @@ def prefill_args(p: argparse.ArgumentParser) -> None:
                         "cost; every prompt here is new, so nothing is reused; 0 = off)")
     g.add_argument("--deltanet-forms", default="auto",
                    help="comma-separated forms of the Gated DeltaNet chunks, one engine each: auto (the engine's "
-                        "choice) or <jnp|states|assoc>[+<" + "|".join(PREP_PRECISIONS) + ">][+ut<N>] (the UT system's "
-                        "inverse in blocks of N tokens, ut0: doubling over the chunk; default auto)")
+                        "choice) or <jnp|states|assoc|pallas[_bv<N>][_w<W>][_s<S>][_<dot precision>]>[+<"
+                        + "|".join(PREP_PRECISIONS) + ">][+ut<N>] (the scan over chunks, as in --mode deltanet; the "
+                        "UT system's precision; its inverse in blocks of N tokens, ut0: doubling over the chunk; "
+                        "+prep[_w<W>][_<dot precision>]: the per-chunk part as one Pallas kernel; default auto)")
 
 
 @contextlib.contextmanager
@@ -47,15 +51,16 @@ def deltanet_form(form: str):
     if form == "auto":
         yield
         return
-    scan, precision, block = parse_form(form, ("jnp", "assoc", "states"), "--deltanet-forms")
-    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK
-    deltanet.SCAN_IMPL, deltanet.PREP_PRECISION = scan, precision
-    if block is not None:
-        deltanet.UT_BLOCK = block
-    try:
-        yield
-    finally:
-        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK = saved
+    scan, precision, block, prep = parse_form(form, ("jnp", "assoc", "states", "pallas"), "--deltanet-forms")
+    saved = deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK, deltanet.PREP_IMPL
+    with scan_kernel(scan) as impl, prep_kernel(prep) as prep_impl:
+        deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.PREP_IMPL = impl, precision, prep_impl
+        if block is not None:
+            deltanet.UT_BLOCK = block
+        try:
+            yield
+        finally:
+            deltanet.SCAN_IMPL, deltanet.PREP_PRECISION, deltanet.UT_BLOCK, deltanet.PREP_IMPL = saved
 
 
 def prefill_flops(cfg: ModelConfig, n_tokens: int) -> dict[str, float]:

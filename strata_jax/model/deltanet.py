@@ -3,6 +3,8 @@ prefill, recurrent for a few tokens), and the gated output norm."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,6 +13,7 @@ from flax import struct
 
 from pallas_kernels.activations import silu
 from pallas_kernels.delta_chunk import chunk_scan
+from pallas_kernels.delta_prep import chunk_prep
 from pallas_kernels.delta_rule import gated_delta_conv_decode, gated_delta_decode, split_qkv
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import DeltaNetCache
@@ -32,6 +35,9 @@ SCAN_IMPL = "auto"
 # 0: doubling over the whole chunk (`unit_lower_inverse`), the form before 2026-12-06. Measured faster on both:
 # 8.4x for one layer's inverse on the CPU; the whole rule 1.21x on an H100, a 20,000-token prefill 5% (docs/PERF.md).
 UT_BLOCK = 16
+# The per-chunk part of a prefill chunk's rule: "jnp" (`chunk_prep_jnp`, XLA) or "pallas" (one kernel,
+# `pallas_kernels.delta_prep`); benchmarks set it per engine.
+PREP_IMPL = "jnp"
 
 
 def _matmul(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
@@ -83,23 +89,13 @@ def unit_lower_inverse_blocked(a: jax.Array, block: int = 16, precision=None) ->
     return inverse[..., 0, :, :]
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_impl: str | None = None,
-                           precision=None, ut_block: int | None = None):
-    """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one
-    (`pallas_kernels.delta_rule.recurrent_rule_jnp`; decode, verify and the replay run `gated_delta_decode`,
-    that rule from the conv output, on a GPU a kernel that reads and writes the state once). The sequential part
-    over the chunks runs as `pallas_kernels.delta_chunk.chunk_scan`; `scan_impl` (default `SCAN_IMPL`): "auto"
-    as `delta_chunk.resolve_impl` picks, "jnp" a loop over chunks, "states" a loop of the state's path alone,
-    "assoc" a parallel prefix, "pallas" the kernel (in interpret mode off a GPU). `precision`: the UT system's
-    matmuls (default `PREP_PRECISION`); `ut_block`: its inverse's diagonal blocks (default `UT_BLOCK`; 0: doubling
-    over the whole chunk)."""
-    b, t, h, dk = k.shape
-    dv = v.shape[-1]
-    pad = (-t) % chunk
-    if pad:
-        padding = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        q, k, v, g, beta = (padding(a) for a in (q, k, v, g, beta))
-    n = (t + pad) // chunk
+def chunk_prep_jnp(q, k, v, g, beta, chunk: int, precision=None, ut_block: int | None = None):
+    """The chunked rule's per-chunk part, before the recurrence over chunks: q, k [B, T, H, Dk], v [B, T, H, Dv],
+    g, beta [B, T, H] float32, T a multiple of `chunk` -> `delta_chunk.chunk_scan`'s inputs (u [B, H, N, C, Dv],
+    w, q_dec, k_dec [B, H, N, C, Dk], intra [B, H, N, C, C], the chunks' decays [B, H, N]). The reference of
+    `pallas_kernels.delta_prep.chunk_prep`."""
+    b, t, h, _ = k.shape
+    n = t // chunk
     # -> [B, H, N, C, ...]
     to_chunks = lambda a: jnp.moveaxis(a, 2, 1).reshape(b, h, n, chunk, *a.shape[3:])  # noqa: E731
     q, k, v, g, beta = (to_chunks(a) for a in (q, k, v, g, beta))
@@ -119,8 +115,56 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_imp
     intra = jnp.where(lower, jnp.einsum("...ik,...jk->...ij", q, k) * decay, 0.0)
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    out, state = chunk_scan(new_values, k_cumdecay, q_dec, k_dec, intra, jnp.exp(cum[..., -1]), state,
-                            impl=scan_impl or SCAN_IMPL, interpret=jax.default_backend() != "gpu")
+    return new_values, k_cumdecay, q_dec, k_dec, intra, jnp.exp(cum[..., -1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _chunk_prep_kernel(q, k, v, g, beta, chunk):
+    b, t, h, _ = k.shape
+    by_chunk = lambda a: jnp.moveaxis(a.reshape(b, t // chunk, chunk, h), 3, 1)  # noqa: E731  [B, H, N, C]
+    cum = jnp.cumsum(by_chunk(g), axis=-1)
+    outs = chunk_prep(q, k, v, cum, by_chunk(beta), chunk=chunk, interpret=jax.default_backend() != "gpu")
+    return (*outs, jnp.exp(cum[..., -1]))
+
+
+def _chunk_prep_kernel_fwd(q, k, v, g, beta, chunk):
+    return _chunk_prep_kernel(q, k, v, g, beta, chunk), (q, k, v, g, beta)
+
+
+def _chunk_prep_kernel_bwd(chunk, inputs, grads):
+    # The kernel has no transpose: its gradient is the XLA form's (the demo trainer differentiates the model).
+    _, vjp = jax.vjp(lambda *a: chunk_prep_jnp(*a, chunk), *inputs)
+    return vjp(grads)
+
+
+_chunk_prep_kernel.defvjp(_chunk_prep_kernel_fwd, _chunk_prep_kernel_bwd)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, scan_impl: str | None = None,
+                           precision=None, ut_block: int | None = None, prep_impl: str | None = None):
+    """Chunked (UT-transform) gated delta rule continuing from `state`; same contract as the recurrent one
+    (`pallas_kernels.delta_rule.recurrent_rule_jnp`; decode, verify and the replay run `gated_delta_decode`,
+    that rule from the conv output, on a GPU a kernel that reads and writes the state once). The per-chunk part
+    runs as `chunk_prep_jnp` or, with `prep_impl` (default `PREP_IMPL`) "pallas", as the kernel
+    `pallas_kernels.delta_prep.chunk_prep` (its own dot precision and a doubled inverse; interpret mode off a GPU;
+    the chunk a power of two of at least 16, as Dk and Dv). The sequential
+    part over the chunks runs as `pallas_kernels.delta_chunk.chunk_scan`; `scan_impl` (default `SCAN_IMPL`): "auto"
+    as `delta_chunk.resolve_impl` picks, "jnp" a loop over chunks, "states" a loop of the state's path alone,
+    "assoc" a parallel prefix, "pallas" the kernel (in interpret mode off a GPU). `precision`: the UT system's
+    matmuls (default `PREP_PRECISION`); `ut_block`: its inverse's diagonal blocks (default `UT_BLOCK`; 0: doubling
+    over the whole chunk)."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        padding = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        q, k, v, g, beta = (padding(a) for a in (q, k, v, g, beta))
+    n = (t + pad) // chunk
+    if (prep_impl or PREP_IMPL) == "pallas":
+        prepared = _chunk_prep_kernel(q, k, v, g, beta, chunk)
+    else:
+        prepared = chunk_prep_jnp(q, k, v, g, beta, chunk, precision, ut_block)
+    out, state = chunk_scan(*prepared, state, impl=scan_impl or SCAN_IMPL, interpret=jax.default_backend() != "gpu")
     out = out.reshape(b, h, n * chunk, dv)[:, :, :t]
     return jnp.moveaxis(out, 1, 2), state
 

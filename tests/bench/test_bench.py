@@ -112,14 +112,15 @@ def test_deltanet_mode_times_the_chunked_rule(tmp_path, capsys):
     out = tmp_path / "deltanet.json"
     assert main(["--mode", "deltanet", "--preset", "tiny", "--slots", "1", "--deltanet-tokens", "",
                  "--deltanet-prefill-tokens", "130", "--deltanet-prefill-variants",
-                 "jnp,assoc,assoc+x6,jnp+ut0,jnp+x3+ut8", "--deltanet-iters", "1", "--steps", "1",
-                 "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
+                 "jnp,assoc,assoc+x6,jnp+ut0,jnp+x3+ut8,pallas_bv16_w8_s2_tf32x3", "--deltanet-iters", "1",
+                 "--steps", "1", "--bandwidth-gib", "0.01", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tokens"], r["variant"]) for r in rows] == [(130, v) for v in ("jnp", "assoc", "assoc+x6", "jnp+ut0",
-                                                                               "jnp+x3+ut8")]
+                                                                               "jnp+x3+ut8",
+                                                                               "pallas_bv16_w8_s2_tf32x3")]
     assert all(r["max_rel_err"] < 1e-4 and r["us_per_layer"] > 0 for r in rows)
     assert "max rel err (vs float32 loop)" in capsys.readouterr().out
-    for bad in ("assoc+fp8", "jnp+ut", "jnp+ut0+ut16", "jnp+x3+x6"):
+    for bad in ("assoc+fp8", "jnp+ut", "jnp+ut0+ut16", "jnp+x3+x6", "pallas_fast", "pallas_w4_w8", "jnp_bv16"):
         with pytest.raises(SystemExit, match="bad --deltanet-prefill-variants"):
             main(["--mode", "deltanet", "--preset", "tiny", "--deltanet-prefill-tokens", "64",
                   "--deltanet-prefill-variants", bad])
@@ -394,7 +395,34 @@ def test_prefill_mode_runs_one_engine_per_deltanet_form(tmp_path, monkeypatch):
     assert deltanet.SCAN_IMPL == "auto" and deltanet.PREP_PRECISION == jax.lax.Precision.HIGHEST
     assert deltanet.UT_BLOCK == 16
     with pytest.raises(SystemExit, match="bad --deltanet-forms"):
-        main(["--mode", "prefill", "--preset", "tiny", "--deltanet-forms", "pallas"])
+        main(["--mode", "prefill", "--preset", "tiny", "--deltanet-forms", "pallas_ieee_tf32"])
+
+
+def test_a_scan_kernel_form_sets_the_kernels_settings_while_tracing(monkeypatch):
+    """`pallas_bv16_w8_s3_tf32` reaches `chunk_scan` as the kernel with those settings (unnamed ones stay the
+    module's), and every setting comes back after the form."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import delta_chunk
+    from strata_jax.bench.deltanet import kernel_settings
+    from strata_jax.bench.prefill import deltanet_form
+    from strata_jax.model import deltanet
+
+    assert kernel_settings("pallas") == {}
+    assert kernel_settings("pallas_s2_bv64") == {"num_stages": 2, "block_v": 64}
+    assert kernel_settings("pallas_tf32x3_x") is None and kernel_settings("jnp_bv16") is None
+    seen = []
+    monkeypatch.setattr(delta_chunk, "_run_kernel", lambda *a: seen.append(a[7]) or (a[0], a[6]))
+    before = (delta_chunk.BLOCK_V, delta_chunk.NUM_WARPS, delta_chunk.NUM_STAGES, delta_chunk.KERNEL_PRECISION)
+    args = [jnp.zeros(s, jnp.float32) for s in [(1, 2, 3, 16, 32)] * 4 + [(1, 2, 3, 16, 16), (1, 2, 3), (1, 2, 32, 32)]]
+    for form, want in (("pallas_bv16_w8_s3_tf32+ut0", (16, 8, 3, "tf32")), ("pallas_w2", (32, 2) + before[2:]),
+                       ("pallas", (32,) + before[1:])):
+        with deltanet_form(form):
+            assert deltanet.SCAN_IMPL == "pallas"
+            delta_chunk.chunk_scan(*args, impl=deltanet.SCAN_IMPL)
+        assert seen.pop() == want
+    assert (delta_chunk.BLOCK_V, delta_chunk.NUM_WARPS, delta_chunk.NUM_STAGES, delta_chunk.KERNEL_PRECISION) == before
+    assert deltanet.SCAN_IMPL == "auto" and deltanet.UT_BLOCK == 16
 
 
 def test_occupancy_counts_graphed_kernels_and_idle_time():

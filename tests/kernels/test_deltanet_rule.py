@@ -46,14 +46,36 @@ def test_rule_matches_numpy(rule, t):
     np.testing.assert_allclose(np.asarray(state), want_state, rtol=2e-4, atol=2e-4)
 
 
-def test_chunked_rule_through_the_scan_kernel_matches_numpy():
+@pytest.mark.parametrize("prep_impl", ["jnp", "pallas"])
+def test_chunked_rule_through_the_kernels_matches_numpy(prep_impl):
     """150 tokens in chunks of 64 (the last padded), the inter-chunk recurrence in `pallas_kernels.delta_chunk`'s
-    kernel (interpret mode; Triton wants power-of-two head dims of at least 16)."""
+    kernel, the per-chunk part in XLA or in `pallas_kernels.delta_prep`'s kernel (interpret mode; Triton wants
+    power-of-two head dims of at least 16)."""
     args = _inputs(150, seed=5, dk=16, dv=32)
     want_out, want_state = _numpy_rule(*args)
-    out, state = jax.jit(lambda *a: chunk_gated_delta_rule(*a, scan_impl="pallas"))(*args)
+    out, state = jax.jit(lambda *a: chunk_gated_delta_rule(*a, scan_impl="pallas", prep_impl=prep_impl))(*args)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(state), want_state, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan_precision", ["tf32x3", "tf32"])
+def test_chunked_rule_through_both_kernels_on_gpu(scan_precision, monkeypatch):
+    """Flash-Next's head dims, 1,000 tokens (the last chunk padded), both kernels compiled, against float64: with
+    three TF32 passes no further from it than twice the XLA forms' error; with one, within 1e-3 (H100, 2026-12-07:
+    6.8e-5 in the output and 2.7e-4 in the state against XLA's 1e-7 and 2.6e-7), below the bfloat16 the rule's
+    output is rounded to next (4e-3)."""
+    from pallas_kernels import delta_chunk
+
+    monkeypatch.setattr(delta_chunk, "KERNEL_PRECISION", scan_precision)
+    args = _inputs(1000, seed=6, dk=128, dv=128)
+    want_out, want_state = _numpy_rule(*args)
+    got = jax.jit(lambda *a: chunk_gated_delta_rule(*a, scan_impl="pallas", prep_impl="pallas"))(*args)
+    ref = jax.jit(lambda *a: chunk_gated_delta_rule(*a, scan_impl="jnp", prep_impl="jnp"))(*args)
+    for g, r, w in zip(got, ref, (want_out, want_state)):
+        err, ref_err = np.abs(np.asarray(g) - w).max(), np.abs(np.asarray(r) - w).max()
+        print(f"scan {scan_precision}: kernels {err:.2e}, XLA {ref_err:.2e}")
+        assert err <= (2 * ref_err + 1e-5 if scan_precision == "tf32x3" else 1e-3), (err, ref_err)
 
 
 @pytest.mark.parametrize("scan_impl", ["jnp", "assoc", "states"])
