@@ -158,21 +158,27 @@ def parse_form(form: str, scans: tuple[str, ...], flag: str) -> tuple[str, objec
 
 
 @contextlib.contextmanager
+def _module_constants(module, names: dict[str, str], settings: dict):
+    """While inside, `module`'s constants named by `names` (setting -> constant) hold `settings`' values."""
+    saved = {names[k]: getattr(module, names[k]) for k in settings}
+    for key, value in settings.items():
+        setattr(module, names[key], value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
 def prep_kernel(settings: dict | None):
     """While inside, the per-chunk part runs as the Pallas kernel with `settings` (num_warps, precision; the
     module's defaults where not named); yields the `prep_impl` for `chunk_gated_delta_rule` ("jnp" for None)."""
     if settings is None:
         yield "jnp"
         return
-    names = {"num_warps": "NUM_WARPS", "precision": "PRECISION"}
-    saved = {names[k]: getattr(delta_prep, names[k]) for k in settings}
-    for key, value in settings.items():
-        setattr(delta_prep, names[key], value)
-    try:
+    with _module_constants(delta_prep, {"num_warps": "NUM_WARPS", "precision": "PRECISION"}, settings):
         yield "pallas"
-    finally:
-        for name, value in saved.items():
-            setattr(delta_prep, name, value)
 
 
 @contextlib.contextmanager
@@ -185,14 +191,8 @@ def scan_kernel(scan: str):
         return
     names = {"block_v": "BLOCK_V", "num_warps": "NUM_WARPS", "num_stages": "NUM_STAGES",
              "precision": "KERNEL_PRECISION"}
-    saved = {names[k]: getattr(delta_chunk, names[k]) for k in settings}
-    for key, value in settings.items():
-        setattr(delta_chunk, names[key], value)
-    try:
+    with _module_constants(delta_chunk, names, settings):
         yield "pallas"
-    finally:
-        for name, value in saved.items():
-            setattr(delta_chunk, name, value)
 
 
 def _chunked(variant: str):

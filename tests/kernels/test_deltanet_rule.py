@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deltanet_helpers import rule_inputs
 from pallas_kernels import delta_rule
 from pallas_kernels.delta_rule import recurrent_rule_jnp
 from strata_jax.model.deltanet import chunk_gated_delta_rule
@@ -24,16 +25,7 @@ def _numpy_rule(q, k, v, g, beta, state):
 
 
 def _inputs(t, seed, dk=8, dv=5):
-    b, h = 2, 3
-    rng = np.random.default_rng(seed)
-    norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q = norm(rng.normal(size=(b, t, h, dk))) * dk**-0.5
-    k = norm(rng.normal(size=(b, t, h, dk)))
-    v = rng.normal(size=(b, t, h, dv))
-    g = -rng.uniform(0.0, 0.5, size=(b, t, h))
-    beta = rng.uniform(0, 1, size=(b, t, h))
-    state = rng.normal(size=(b, h, dk, dv))
-    return [x.astype(np.float32) for x in (q, k, v, g, beta, state)]
+    return rule_inputs(2, t, 3, dk, dv, seed)
 
 
 @pytest.mark.parametrize("t", [1, 5, 64, 150])
