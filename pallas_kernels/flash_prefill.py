@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.decode_attention import check_kv_scales
 from pallas_kernels.prefill_attention import _check, prefill_attention
 from pallas_kernels.prefill_cudnn import cudnn_applies, cudnn_prefill, cudnn_prefill_selected
+from pallas_kernels.selected_flash import kernel_supports as selected_supports
 
 _NEG = -1e30  # the running max before any key: finite, so that exp(_NEG - m) is 0 rather than NaN
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -228,11 +229,16 @@ def flash_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n_
     return jnp.transpose(out, (0, 2, 1, 3, 4))
 
 
-PREFILL_IMPLS = ("auto", "jnp", "pallas", "cudnn")
+PREFILL_IMPLS = ("auto", "jnp", "pallas", "cudnn", "selected")
 # Whether "auto" also sends chunks with a QSA selection to cuDNN (`prefill_cudnn.cudnn_prefill_selected`, the
 # selection as its attention mask) where it sends plain ones: 1.33-1.54x the jnp form for a 4,096-token chunk after
 # 2K-60K cached tokens on an H100, a 20,000-token prefill 1.07x (docs/PERF.md, "Prefill attention").
 AUTO_CUDNN_SELECTED = True
+# Whether "auto" sends chunks with a QSA selection on a GPU to the kernel that reads only the selected keys
+# (`selected_flash`), ahead of cuDNN: a 4,096-token chunk after 2K / 20K / 60K cached tokens 3.46 / 3.49 / 4.00 ms
+# per layer against cuDNN's 3.30 / 13.98 / 37.20 on an H100, a 20,000-token prefill 1.872 -> 1.625 s (docs/PERF.md,
+# "Prefill attention").
+AUTO_SELECTED = True
 
 
 def auto_takes_cudnn() -> bool:
@@ -245,20 +251,32 @@ def auto_takes_cudnn() -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-def resolve_prefill_impl(impl: str, head_dim: int, ctx: int, chosen: jax.Array | None, quantized: bool,
-                         dtype=None) -> str:
-    """Which form `attend_prefill` runs: "auto" is cuDNN where `cudnn_applies` (bf16 / fp16, a float cache) on a GPU
-    where it was measured (`auto_takes_cudnn`), for chunks with a QSA selection while `AUTO_CUDNN_SELECTED`, else
-    the jnp form (the Pallas kernel measured 1.2-1.8x the jnp form on causal chunks, below cuDNN; with a selection or
-    a quantized cache it is not yet measured); "pallas" the kernel where it takes the shapes
-    (`kernel_supports`); "cudnn" `prefill_cudnn.cudnn_prefill` for plain causal chunks and
-    `prefill_cudnn.cudnn_prefill_selected` for chunks with a selection, over a float cache; the jnp form wherever
-    the choice does not apply. `dtype`: the queries' (for "auto"; None: not cuDNN)."""
+def resolve_prefill_impl(impl: str, head_dim: int, ctx: int, selection: bool, quantized: bool, dtype=None, *,
+                         group: int = 1, compress_ratio: int = 1) -> str:
+    """Which form a prefill chunk's attention runs, ``selection`` saying whether it has a QSA selection: "auto" is,
+    on a GPU, the selected-keys kernel for chunks with a selection while `AUTO_SELECTED` (where it takes the shapes
+    and the cache is a float one), else cuDNN where `cudnn_applies` (bf16 / fp16, a float cache) on a GPU where it
+    was measured (`auto_takes_cudnn`), for chunks with a selection while `AUTO_CUDNN_SELECTED`, else the jnp form
+    (the Pallas kernel measured 1.2-1.8x the jnp form on causal chunks, below cuDNN; with a selection or a quantized
+    cache it is not yet measured); "pallas" the kernel where it takes the shapes (`kernel_supports`); "cudnn"
+    `prefill_cudnn.cudnn_prefill` for plain causal chunks and `prefill_cudnn.cudnn_prefill_selected` for chunks
+    with a selection, over a float cache; "selected" `selected_flash.selected_flash` for chunks with a selection
+    over a float cache where it takes the shapes (``group`` query heads per kv head, QSA blocks of
+    ``compress_ratio``), plain chunks as "auto" runs them; the jnp form wherever the choice does not apply.
+    `dtype`: the queries' (for "auto"; None: not cuDNN). The selected-keys kernel takes the selection as block ids,
+    which the caller (`strata_jax.model.attention`) asks the indexer for when this returns "selected"."""
     if impl not in PREFILL_IMPLS:
         raise ValueError(f"prefill attention impl must be one of {', '.join(PREFILL_IMPLS)}, got {impl!r}")
+    takes_selected = selection and not quantized and selected_supports(head_dim, group, compress_ratio)
+    if impl == "selected":
+        if takes_selected:
+            return "selected"
+        impl = "auto" if not selection else impl
     if impl == "auto":
+        if takes_selected and AUTO_SELECTED and jax.default_backend() == "gpu":
+            return "selected"
         takes = (dtype is not None and cudnn_applies(dtype, quantized) and auto_takes_cudnn()
-                 and (chosen is None or AUTO_CUDNN_SELECTED))
+                 and (not selection or AUTO_CUDNN_SELECTED))
         return "cudnn" if takes else "jnp"
     if impl == "pallas" and kernel_supports(head_dim, ctx):
         return "pallas"
@@ -275,9 +293,10 @@ def attend_prefill(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, n
     `prefill_attention.prefill_attention`. ``k_new``, ``v_new`` [B, T, Hk, D]: the chunk's own keys and values as
     written to the cache, which the cuDNN form of a plain chunk reads instead of the cache (needed for "cudnn"
     without a selection). Off a GPU the kernel runs in Pallas interpret mode (tests) and the cuDNN forms through
-    XLA's implementation."""
+    XLA's implementation. The selected-keys kernel takes block ids, not ``chosen``: "selected" runs the chunks
+    with a selection in the jnp form here (`strata_jax.model.attention` calls `selected_flash` itself)."""
     quantized = k_scale is not None
-    chosen_impl = resolve_prefill_impl(impl, q.shape[-1], k.shape[2], chosen, quantized, q.dtype)
+    chosen_impl = resolve_prefill_impl(impl, q.shape[-1], k.shape[2], chosen is not None, quantized, q.dtype)
     if chosen_impl == "cudnn" and chosen is None and k_new is None:
         raise ValueError("the cuDNN prefill attention needs the chunk's own keys and values (k_new, v_new)")
     if chosen_impl == "pallas":

@@ -249,7 +249,8 @@ def load_model(
     "mapped" or "auto"). See `ExpertQuantization` and
     `strata_jax.model.expert_stream`.
     prefill_attention: how prefill chunks attend (`ModelConfig.prefill_attention_impl`: "auto", "jnp", "pallas" the
-    flash-style kernel, "cudnn"; pallas_kernels.flash_prefill.resolve_prefill_impl).
+    flash-style kernel, "cudnn", "selected" the kernel reading only each token's QSA-selected keys;
+    pallas_kernels.flash_prefill.resolve_prefill_impl).
     fused_decode: decode and verify calls of <= 16 tokens run the fused Pallas kernels on a GPU
     (`strata_jax.model.decoder.enable_fused_decode`; off by default: slower in the step, docs/PERF.md).
     """

@@ -16,9 +16,12 @@ slot per `--slots` entry holding F tokens before a chunk of T (`--attn-chunks`) 
 least F + T), at the preset's head shapes, per form: `jnp` (the blocked loop of pallas_kernels.prefill_attention),
 `pallas` (the flash-style kernel of pallas_kernels.flash_prefill with its default tiling), `m<M>_k<K>_w<W>_s<S>`
 (the kernel with M query rows and K keys per block, W warps, S pipeline stages), `cudnn` (jax.nn.dot_product_attention,
-pallas_kernels.prefill_cudnn; with `--attn-qsa` the selection as its mask). `--attn-qsa` adds a random QSA
-selection of about the preset's budget per token. The floor is the causal attention's matmul FLOPs over the bf16
-matmul rate measured in the run (with QSA too: the forms compute every key block some token of theirs selects)."""
+pallas_kernels.prefill_cudnn; with `--attn-qsa` the selection as its mask), `selected` (with `--attn-qsa` only:
+pallas_kernels.selected_flash, the kernel that reads only each token's selected keys; `sel_k<K>_w<W>_s<S>` with K
+gathered keys per step, W warps, S stages). `--attn-qsa` adds a random QSA selection of the preset's budget per
+token. The floor is the causal attention's matmul FLOPs over the bf16 matmul rate measured in the run (with QSA
+too: the masked forms compute every key block some token of theirs selects); with QSA the rows also give the
+selection's own floor (each token's selected keys only), which only `selected` can approach."""
 
 from __future__ import annotations
 
@@ -32,9 +35,11 @@ from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_prefill import PrefillBlocks, flash_prefill
 from pallas_kernels.prefill_attention import prefill_attention
 from pallas_kernels.prefill_cudnn import cudnn_prefill, cudnn_prefill_selected
+from pallas_kernels.selected_flash import SelectedBlocks, selected_flash
 from strata_jax.bench.common import matmul_rate, max_rel_diff, median_seconds, print_variant_table
 from strata_jax.bench.floors import copy_bandwidth
 from strata_jax.bench.synthetic import preset_config
+from strata_jax.model.attention import chosen_from_ids
 
 _VARIANT = re.compile(r"s(\d+)_k(\d+)_w(\d+)")
 
@@ -52,7 +57,8 @@ def attention_args(p) -> None:
     p.add_argument("--attn-chunks", default="2048,4096", help="attention mode, prefill: tokens per chunk")
     p.add_argument("--attn-prefill-variants", default="jnp,pallas,cudnn",
                    help="attention mode, prefill: jnp | pallas | cudnn | m<rows>_k<keys>_w<warps>_s<stages> (the "
-                        "kernel with that tiling), comma-separated")
+                        "kernel with that tiling) | selected | sel_k<keys>_w<warps>_s<stages> (with --attn-qsa: the "
+                        "selected-keys kernel, default or with that tiling), comma-separated")
     p.add_argument("--attn-qsa", action="store_true",
                    help="attention mode, prefill: a random QSA block selection of about the preset's budget per "
                         "token (cudnn rows take it as their attention mask)")
@@ -165,29 +171,39 @@ def run_attention(args) -> list[dict]:
 
 
 _TILING = re.compile(r"m(\d+)_k(\d+)_w(\d+)_s(\d+)")
+_SEL_TILING = re.compile(r"sel_k(\d+)_w(\d+)_s(\d+)")
 
 
 def _prefill_fn(variant: str, c: int):
-    """variant -> f(q, k, v, start, chosen, k_new, v_new) -> [B, T, Hk, G, D] (QSA blocks of c positions)."""
+    """variant -> f(q, k, v, start, sel, k_new, v_new) -> [B, T, Hk, G, D] (QSA blocks of c positions; ``sel``
+    None or the selection as (chosen mask, block ids))."""
     interpret = jax.default_backend() != "gpu"  # a CPU smoke run: the kernel's semantics, not its speed
     if variant == "jnp":
-        return lambda q, k, v, st, ch, kn, vn: prefill_attention(q, k, v, st, None, ch, c)
+        return lambda q, k, v, st, sel, kn, vn: prefill_attention(q, k, v, st, None, sel and sel[0], c)
     if variant == "cudnn":  # with a QSA selection: the selection as cuDNN's mask
-        return lambda q, k, v, st, ch, kn, vn: (cudnn_prefill(q, k, v, st, None, kn, vn) if ch is None
-                                                else cudnn_prefill_selected(q, k, v, st, None, ch, c))
+        return lambda q, k, v, st, sel, kn, vn: (cudnn_prefill(q, k, v, st, None, kn, vn) if sel is None
+                                                 else cudnn_prefill_selected(q, k, v, st, None, sel[0], c))
+    sel_match = _SEL_TILING.fullmatch(variant)
+    if variant == "selected" or sel_match:  # QSA only: the kernel that reads each token's selected keys
+        try:
+            sel_blocks = SelectedBlocks(*(int(g) for g in sel_match.groups())) if sel_match else SelectedBlocks()
+        except ValueError as e:
+            raise SystemExit(f"bad --attn-prefill-variants entry {variant!r}: {e}") from e
+        return lambda q, k, v, st, sel, kn, vn: selected_flash(q, k, v, st, sel[1], c, blocks=sel_blocks,
+                                                               interpret=interpret)
     if variant == "pallas":
         blocks = None
     else:
         match = _TILING.fullmatch(variant)
         if match is None:
-            raise SystemExit(f"bad --attn-prefill-variants entry {variant!r}: expected jnp, pallas, cudnn or "
-                             "m<rows>_k<keys>_w<warps>_s<stages>")
+            raise SystemExit(f"bad --attn-prefill-variants entry {variant!r}: expected jnp, pallas, cudnn, selected "
+                             "or m<rows>_k<keys>_w<warps>_s<stages>")
         try:
             blocks = PrefillBlocks(*(int(g) for g in match.groups()))
         except ValueError as e:
             raise SystemExit(f"bad --attn-prefill-variants entry {variant!r}: {e}") from e
-    return lambda q, k, v, st, ch, kn, vn: flash_prefill(q, k, v, st, None, ch, c, blocks=blocks,
-                                                         interpret=interpret)
+    return lambda q, k, v, st, sel, kn, vn: flash_prefill(q, k, v, st, None, sel and sel[0], c, blocks=blocks,
+                                                          interpret=interpret)
 
 
 def prefill_attention_flops(slots: int, fill: int, chunk: int, heads: int, head_dim: int) -> float:
@@ -196,31 +212,43 @@ def prefill_attention_flops(slots: int, fill: int, chunk: int, heads: int, head_
     return 4.0 * head_dim * heads * slots * (chunk * fill + chunk * (chunk + 1) / 2)
 
 
+def selection_flops(slots: int, fill: int, chunk: int, heads: int, head_dim: int, budget: int) -> float:
+    """The two matmuls of QSA attention for a chunk after ``fill`` cached tokens: token t sees at most ``budget``
+    selected positions plus its incomplete tail block (counted within the budget here), 4 x head_dim FLOPs per query
+    head and position."""
+    seen = np.minimum(fill + np.arange(chunk) + 1, budget)
+    return 4.0 * head_dim * heads * slots * float(seen.sum())
+
+
 def _prefill_inputs(key, b: int, t: int, ctx: int, fill: int, hk: int, g: int, d: int, iters: int, qsa_top: int,
                     c: int):
-    """(q, [k], [v], start, chosen or None, [k_new], [v_new]): random bf16 caches (beyond the filled part too), the
-    chunk's own keys and values cut from each cache, and with ``qsa_top`` a random selection of about that many
-    complete QSA blocks (of c positions) per token."""
+    """(q, [k], [v], start, selection or None, [k_new], [v_new]): random bf16 caches (beyond the filled part too),
+    the chunk's own keys and values cut from each cache, and with ``qsa_top`` a random selection of that many
+    complete QSA blocks (of c positions) per token (all when fewer are complete), as the mask ``chosen`` and as the
+    block ids the indexer returns (`top_block_ids`: chosen blocks first, then ctx // c)."""
     kq, kk, kv, kc = jax.random.split(key, 4)
     q = jax.random.normal(kq, (b, t, hk, g, d), jnp.bfloat16)
     ks = [jax.random.normal(jax.random.fold_in(kk, i), (b, hk, ctx, d), jnp.bfloat16) for i in range(iters)]
     vs = [jax.random.normal(jax.random.fold_in(kv, i), (b, hk, ctx, d), jnp.bfloat16) for i in range(iters)]
     own = [jnp.transpose(x[:, :, fill:fill + t], (0, 2, 1, 3)) for x in ks + vs]
-    chosen = None
+    selection = None
     if qsa_top:
+        nb = ctx // c
         complete = (fill + jnp.arange(t) + 1) // c  # complete blocks per token
-        share = jnp.minimum(1.0, qsa_top / jnp.maximum(complete, 1))[None, :, None]
-        blocks = jnp.arange(ctx // c)[None, None, :]
-        chosen = (jax.random.uniform(kc, (b, t, ctx // c)) < share) & (blocks < complete[None, :, None])
-    return q, ks, vs, jnp.full((b,), fill, jnp.int32), chosen, own[:iters], own[iters:]
+        scores = jnp.where(jnp.arange(nb)[None, None, :] < complete[None, :, None],
+                           jax.random.uniform(kc, (b, t, nb)), -1.0)
+        vals, ids = jax.lax.top_k(scores, qsa_top)
+        ids = jnp.where(vals >= 0, ids, nb).astype(jnp.int32)
+        selection = (chosen_from_ids(ids, nb), ids)
+    return q, ks, vs, jnp.full((b,), fill, jnp.int32), selection, own[:iters], own[iters:]
 
 
 def _chained_prefill(attend):
     """As `_chained`, for the prefill forms."""
-    def run(q, ks, vs, start, chosen, kns, vns):
+    def run(q, ks, vs, start, selection, kns, vns):
         out = q
         for k, v, kn, vn in zip(ks, vs, kns, vns):
-            out = attend(q, k, v, start, chosen, kn, vn)
+            out = attend(q, k, v, start, selection, kn, vn)
             q = (q + out * 1e-3).astype(q.dtype)
         return out
     return jax.jit(run)
@@ -242,6 +270,8 @@ def run_prefill_attention(args) -> list[dict]:
     qsa_top = cfg.indexer_budget // c if args.attn_qsa else 0
     if args.attn_qsa and not qsa_top:
         raise SystemExit(f"--attn-qsa: the preset {args.preset} has no QSA indexer")
+    if not qsa_top and any(v == "selected" or _SEL_TILING.fullmatch(v) for v in variants):
+        raise SystemExit("--attn-prefill-variants: selected forms read a QSA selection; add --attn-qsa")
     rate = matmul_rate()
     print(f"bf16 matmul rate: {rate / 1e12:.0f} TFLOP/s; {args.preset}: {hk} kv heads x {g} query heads x head dim "
           f"{d}; cache of {ctx} positions{'; QSA selection' if qsa_top else ''}", flush=True)
@@ -252,6 +282,8 @@ def run_prefill_attention(args) -> list[dict]:
                 inputs = _prefill_inputs(jax.random.key(fill + t), b, t, ctx, fill, hk, g, d, args.attn_iters,
                                          qsa_top, c)
                 floor_us = prefill_attention_flops(b, fill, t, hk * g, d) / rate * 1e6
+                sel_floor_us = (selection_flops(b, fill, t, hk * g, d, qsa_top * c) / rate * 1e6 if qsa_top
+                                else floor_us)
                 want = None
                 for variant in variants:
                     f = _chained_prefill(fns[variant])
@@ -267,9 +299,11 @@ def run_prefill_attention(args) -> list[dict]:
                     us = median_seconds(f, inputs, args.steps) / args.attn_iters * 1e6
                     rows.append({"slots": b, "fill": fill, "chunk": t, "qsa": bool(qsa_top), "variant": variant,
                                  "us_per_call": us, "floor_us": floor_us, "floor_fraction": floor_us / us,
-                                 "max_rel_diff": diff})
+                                 "selection_floor_us": sel_floor_us, "max_rel_diff": diff})
+                    sel_note = f", selection's {sel_floor_us:7.1f} us ({sel_floor_us / us:5.1%})" if qsa_top else ""
                     print(f"  slots {b} fill {fill:6d} chunk {t:5d}: {variant:16s} {us:10.1f} us/call  floor "
-                          f"{floor_us:9.1f} us ({floor_us / us:5.1%})  diff vs {variants[0]} {diff:.1e}", flush=True)
+                          f"{floor_us:9.1f} us ({floor_us / us:5.1%}){sel_note}  diff vs {variants[0]} {diff:.1e}",
+                          flush=True)
                 del inputs
     return rows
 

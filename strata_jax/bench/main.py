@@ -424,8 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--fill", type=int, default=2048, help="tokens already in every slot's cache")
     model.add_argument("--prefill-attention", choices=PREFILL_ATTENTION_IMPLS, default="auto",
                        help="how prompt chunks attend (users, prefill, agents modes; `serve --prefill-attention`): "
-                            "auto (cudnn where it applies on a Hopper GPU, else jnp), jnp, pallas (the flash-style "
-                            "kernel), cudnn")
+                            "auto (on a GPU the selected-keys kernel for QSA chunks, cudnn for plain ones on Hopper; "
+                            "else jnp), jnp, pallas (the flash-style "
+                            "kernel), cudnn, selected (QSA chunks: the kernel reading only the selected keys)")
     model.add_argument("--cache-dtype", default=None, metavar="DTYPE[,DTYPE...]",
                        help="KV cache dtype: bf16, float32, int8 or fp8 (EngineConfig.cache_dtype; int8 / fp8 "
                             "quantize K and V with a scale per position and kv head). Step mode takes a comma "

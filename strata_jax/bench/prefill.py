@@ -11,7 +11,9 @@ over the bf16 matmul rate measured on the device (`matmul_rate`).
 `<scan>[+<precision>][+ut<N>]` as in `--mode deltanet` (the scan over chunks as a loop, `jnp`, the states loop,
 `states`, a parallel prefix, `assoc`, or the Pallas kernel with its settings, `pallas_bv64_w8_tf32x3`; the UT system's
 matmul precision; its inverse's blocks; `+prep`: the per-chunk part as one Pallas kernel), so an A/B of the forms
-shares one process and one model.
+shares one process and one model. `--auto-selected on,off` crosses them with the attention layers' choice for
+chunks with a QSA selection (`flash_prefill.AUTO_SELECTED` while tracing: the selected-keys kernel, or cuDNN with
+the selection as its mask), under `--prefill-attention auto`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import time
 
+from pallas_kernels import flash_prefill
 from strata_jax.bench.common import matmul_rate
 from strata_jax.bench.deltanet import PREP_PRECISIONS, parse_form, prep_kernel, scan_kernel
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
@@ -43,6 +46,10 @@ def prefill_args(p: argparse.ArgumentParser) -> None:
                         + "|".join(PREP_PRECISIONS) + ">][+ut<N>] (the scan over chunks, as in --mode deltanet; the "
                         "UT system's precision; its inverse in blocks of N tokens, ut0: doubling over the chunk; "
                         "+prep[_w<W>][_<dot precision>]: the per-chunk part as one Pallas kernel; default auto)")
+    g.add_argument("--auto-selected", default=None, metavar="on|off[,...]",
+                   help="comma-separated settings of the attention's \"auto\" choice for QSA chunks on a GPU, one "
+                        "engine each per --deltanet-forms entry: on (the selected-keys kernel), off (cuDNN with the "
+                        "selection as its mask); default: the engine's own")
 
 
 @contextlib.contextmanager
@@ -105,12 +112,35 @@ def run_prefill(args: argparse.Namespace, model) -> list[dict]:
     for form in forms:  # reject a bad entry before building anything
         with deltanet_form(form):
             pass
+    switches = getattr(args, "auto_selected", None)
+    settings = [None] if switches is None else [_on_off(x) for x in switches.split(",")]
     rate = matmul_rate()
     rows = []
     for form in forms:
-        with deltanet_form(form):
-            rows += _run_form(args, model, rate, form)
+        for setting in settings:
+            with deltanet_form(form), auto_selected(setting):
+                for row in _run_form(args, model, rate, form):
+                    rows.append({**row, "auto_selected": flash_prefill.AUTO_SELECTED})
     return rows
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise SystemExit(f"--auto-selected entries are on or off, got {text!r}")
+    return text == "on"
+
+
+@contextlib.contextmanager
+def auto_selected(setting: bool | None):
+    """While inside, models traced take (True) or skip (False) the selected-keys kernel for QSA chunks under
+    "auto" (None: leave the default)."""
+    saved = flash_prefill.AUTO_SELECTED
+    if setting is not None:
+        flash_prefill.AUTO_SELECTED = setting
+    try:
+        yield
+    finally:
+        flash_prefill.AUTO_SELECTED = saved
 
 
 def _run_form(args: argparse.Namespace, model, rate: float, form: str) -> list[dict]:
@@ -119,7 +149,8 @@ def _run_form(args: argparse.Namespace, model, rate: float, form: str) -> list[d
     lengths = args.prompt_lengths
     ctx = args.ctx or max(lengths) + 64
     print(f"prefill: bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; 1 slot x {ctx} tokens, chunks "
-          f"{args.prefill_chunks}; deltanet form {form}", flush=True)
+          f"{args.prefill_chunks}; deltanet form {form}; QSA chunks under auto: "
+          f"{'selected-keys kernel' if flash_prefill.AUTO_SELECTED else 'cuDNN / jnp'}", flush=True)
     engine = Engine(model, EngineConfig(slots=1, max_context=ctx, prefill_chunks=args.prefill_chunks,
                                         prefix_cache_mib=args.prefix_cache_mib, overlap_steps=False,
                                         cache_dtype=getattr(args, "cache_dtype", None)))
@@ -140,7 +171,8 @@ def _run_form(args: argparse.Namespace, model, rate: float, form: str) -> list[d
                    "fraction_of_floor": floor_s / ttft, "gflop_per_token": sum(flops.values()) / n / 1e9,
                    "tflops": rate / 1e12}
             rows.append(row)
-            print(f"prefill {n} tokens ({form}): TTFT {ttft:.3f} s ({n / ttft:,.0f} prompt tok/s); floor "
+            print(f"prefill {n} tokens ({form}, QSA selected-keys {flash_prefill.AUTO_SELECTED}): "
+                  f"TTFT {ttft:.3f} s ({n / ttft:,.0f} prompt tok/s); floor "
                   f"{floor_s:.3f} s ({row['gflop_per_token']:.1f} GFLOP/token), {row['fraction_of_floor']:.0%} of it",
                   flush=True)
     finally:
@@ -150,8 +182,10 @@ def _run_form(args: argparse.Namespace, model, rate: float, form: str) -> list[d
 
 def print_prefill_table(rows: list[dict]) -> None:
     """The rows as a markdown table."""
-    print("\n| deltanet form | prompt tokens | ctx | TTFT s | prompt tok/s | compute floor s | fraction of floor |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| deltanet form | QSA chunks | prompt tokens | ctx | TTFT s | prompt tok/s | compute floor s | "
+          "fraction of floor |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.get('deltanet_form', 'auto')} | {r['prompt_tokens']:,} | {r['ctx']:,} | {r['ttft_s']:.3f} | "
-              f"{r['prompt_tok_s']:,.0f} | {r['floor_s']:.3f} | {r['fraction_of_floor']:.0%} |")
+        qsa = "selected keys" if r.get("auto_selected") else "masked"
+        print(f"| {r.get('deltanet_form', 'auto')} | {qsa} | {r['prompt_tokens']:,} | {r['ctx']:,} | "
+              f"{r['ttft_s']:.3f} | {r['prompt_tok_s']:,.0f} | {r['floor_s']:.3f} | {r['fraction_of_floor']:.0%} |")

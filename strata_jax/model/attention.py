@@ -12,6 +12,7 @@ from pallas_kernels.decode_attention import MAX_TOKENS, decode_attention, quanti
 from pallas_kernels.flash_prefill import attend_prefill, resolve_prefill_impl
 from pallas_kernels.prefill_attention import dense_mask, prefill_attention
 from pallas_kernels.selected_attention import selected_attention
+from pallas_kernels.selected_flash import selected_flash
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.cache import AttentionCache
 from strata_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
@@ -228,28 +229,33 @@ class Attention(nnx.Module):
 
         index_k, block_keys, chosen = cache.index_k, cache.block_keys, None
         c = cfg.indexer_compress_ratio if cfg.qsa else 1
+        # A cache of at most the budget's blocks has every complete block chosen: plain causal attention, which
+        # cuDNN can take.
+        plain = not cfg.qsa or s // c <= cfg.indexer_budget // c
+        form = "jnp"
+        if t > MAX_TOKENS:
+            form = resolve_prefill_impl(cfg.prefill_attention_impl, d, s, not plain, bool(scales), q.dtype,
+                                        group=group, compress_ratio=c)
         # Off a GPU, once the cache holds more blocks than the budget keeps, tokens gather their selected keys
-        # instead of scoring every position (a 256-token chunk at 34K tokens: ~250x fewer scores).
-        # A prefill kernel asked for by name (ModelConfig.prefill_attention_impl) takes its chunks even so.
+        # instead of scoring every position (a 256-token chunk at 34K tokens: ~250x fewer scores); on a GPU the
+        # selected-keys kernel does the same for prefill chunks. A prefill kernel asked for by name
+        # (ModelConfig.prefill_attention_impl) takes its chunks even so.
         named_kernel = t > MAX_TOKENS and cfg.prefill_attention_impl not in ("auto", "jnp")
-        gathered = cfg.qsa and not named_kernel and reads_filled_part() and s // c > cfg.indexer_budget // c
+        gathered = not plain and (form == "selected" or (not named_kernel and reads_filled_part()))
         if cfg.qsa:
             chosen, index_k, block_keys = self.indexer(x, positions, n_valid, index_k, block_keys, cos, sin,
                                                        as_ids=gathered)
 
         q = q.reshape(bsz, t, kvh, group, d)
-        # A cache of at most the budget's blocks has every complete block chosen: plain causal attention, which
-        # cuDNN can take.
-        plain = chosen is None or s // c <= cfg.indexer_budget // c
-        form = "jnp"
-        if t > MAX_TOKENS and not gathered:
-            form = resolve_prefill_impl(cfg.prefill_attention_impl, d, s, None if plain else chosen, bool(scales),
-                                        q.dtype)
-        if gathered:
+        if gathered and form == "selected":
+            out = selected_flash(q, k_all, v_all, start, chosen, c, n_valid,
+                                 interpret=jax.default_backend() != "gpu")
+        elif gathered:
             out = selected_attention(q, k_all, v_all, start, chosen, c, **scales)
         elif form != "jnp":
-            # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl; "auto" picks cuDNN, the
-            # selection as its mask, on the GPUs where it was measured).
+            # The flash-style Pallas kernel or cuDNN (ModelConfig.prefill_attention_impl; "auto" picks cuDNN for
+            # plain chunks on the GPUs where it was measured, and for chunks with a selection, as its mask, where the
+            # selected-keys kernel does not take them).
             out = attend_prefill(q, k_all, v_all, start, chosen=None if plain else chosen, compress_ratio=c,
                                  impl=form, k_new=k, v_new=v, **scales)
         elif t > MAX_TOKENS:

@@ -20,9 +20,10 @@ _WRAPPERS = {"qwen4_exp", "qwen3_5_moe"}
 LINEAR = "linear_attention"
 ATTENTION = "full_attention"
 # How a prefill chunk's attention runs (pallas_kernels.flash_prefill.PREFILL_IMPLS; kept equal by a test): "auto"
-# (cuDNN on Hopper GPUs, a QSA selection as its mask; else the jnp form), "jnp", "pallas" (the flash-style kernel),
-# "cudnn".
-PREFILL_ATTENTION_IMPLS = ("auto", "jnp", "pallas", "cudnn")
+# (on a GPU, chunks with a QSA selection through the kernel that reads only each token's selected keys; plain chunks
+# through cuDNN on Hopper GPUs; else the jnp form), "jnp", "pallas" (the flash-style kernel), "cudnn", "selected"
+# (QSA chunks through the selected-keys kernel).
+PREFILL_ATTENTION_IMPLS = ("auto", "jnp", "pallas", "cudnn", "selected")
 
 
 class ConfigError(ValueError):

@@ -356,12 +356,18 @@ def test_attention_mode_prefill_forms_agree(tmp_path):
     flops = prefill_attention_flops(1, 40, 20, cfg.num_heads, cfg.head_dim)
     assert flops == 4 * cfg.head_dim * cfg.num_heads * sum(40 + t + 1 for t in range(20))
     assert all(r["us_per_call"] > 0 and r["floor_us"] > 0 and r["max_rel_diff"] < 2e-2 for r in rows)
-    assert main([*common, "--attn-qsa", "--attn-prefill-variants", "jnp,pallas,cudnn"]) == 0
+    assert main([*common, "--attn-qsa", "--attn-prefill-variants", "jnp,pallas,cudnn,selected,sel_k16_w4_s1"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["variant"], r["qsa"]) for r in rows] == [("jnp", True), ("pallas", True), ("cudnn", True)]
+    assert [(r["variant"], r["qsa"]) for r in rows] == [("jnp", True), ("pallas", True), ("cudnn", True),
+                                                        ("selected", True), ("sel_k16_w4_s1", True)]
     assert all(r["max_rel_diff"] < 2e-2 for r in rows[1:])
+    assert all(0 < r["selection_floor_us"] <= r["floor_us"] for r in rows)
     with pytest.raises(SystemExit, match="power of two"):
         main([*common, "--attn-prefill-variants", "jnp,m48_k16_w4_s2"])
+    with pytest.raises(SystemExit, match="add --attn-qsa"):
+        main([*common, "--attn-prefill-variants", "jnp,selected"])
+    with pytest.raises(SystemExit, match="power of two"):
+        main([*common, "--attn-qsa", "--attn-prefill-variants", "jnp,sel_k48_w4_s1"])
 
 
 def test_prefill_mode_times_each_length_against_the_compute_floor(tmp_path):
@@ -396,6 +402,21 @@ def test_prefill_mode_runs_one_engine_per_deltanet_form(tmp_path, monkeypatch):
     assert deltanet.UT_BLOCK == 16
     with pytest.raises(SystemExit, match="bad --deltanet-forms"):
         main(["--mode", "prefill", "--preset", "tiny", "--deltanet-forms", "pallas_ieee_tf32"])
+
+
+def test_prefill_mode_crosses_forms_with_the_qsa_attention_choice(tmp_path):
+    """--auto-selected: one engine per (deltanet form, setting), the setting in each row, the default back after."""
+    from pallas_kernels import flash_prefill
+
+    out = tmp_path / "prefill.json"
+    default = flash_prefill.AUTO_SELECTED
+    assert main(["--mode", "prefill", "--preset", "tiny", "--dtype", "float32", "--prompt-lengths", "40",
+                 "--ctx", "64", "--prefill-chunks", "32", "--auto-selected", "off,on", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["deltanet_form"], r["auto_selected"]) for r in rows] == [("auto", False), ("auto", True)]
+    assert flash_prefill.AUTO_SELECTED == default
+    with pytest.raises(SystemExit, match="on or off"):
+        main(["--mode", "prefill", "--preset", "tiny", "--auto-selected", "yes"])
 
 
 def test_a_scan_kernel_form_sets_the_kernels_settings_while_tracing(monkeypatch):

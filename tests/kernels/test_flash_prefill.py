@@ -230,25 +230,25 @@ class _Device:
 def test_auto_takes_cudnn_on_hopper(monkeypatch, capability, dtype, selected, quantized, want):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "devices", lambda *a: [_Device(capability)])
-    chosen = jnp.zeros((1, 20, 16), bool) if selected else None
-    assert fp.resolve_prefill_impl("auto", 256, 4096, chosen, quantized, dtype) == want
-    assert fp.resolve_prefill_impl("auto", 256, 4096, None, False, None) == "jnp"  # dtype unknown
+    monkeypatch.setattr(fp, "AUTO_SELECTED", False)  # QSA chunks to cuDNN, not the selected-keys kernel
+    assert fp.resolve_prefill_impl("auto", 256, 4096, selected, quantized, dtype) == want
+    assert fp.resolve_prefill_impl("auto", 256, 4096, False, False, None) == "jnp"  # dtype unknown
     monkeypatch.setattr(fp, "AUTO_CUDNN_SELECTED", False)  # the switch back: plain chunks only
-    assert fp.resolve_prefill_impl("auto", 256, 4096, chosen, quantized, dtype) == ("jnp" if selected else want)
+    assert fp.resolve_prefill_impl("auto", 256, 4096, selected, quantized, dtype) == ("jnp" if selected else want)
 
 
 def test_selector():
     assert fp.PREFILL_IMPLS == PREFILL_ATTENTION_IMPLS
-    chosen = jnp.zeros((1, 20, 16), bool)
-    assert fp.resolve_prefill_impl("auto", 256, 4096, None, False, jnp.bfloat16) == "jnp"  # no GPU here
-    assert fp.resolve_prefill_impl("pallas", 256, 4096, chosen, True) == "pallas"
-    assert fp.resolve_prefill_impl("pallas", 96, 4096, None, False) == "jnp"  # not a power-of-two head dim
-    assert fp.resolve_prefill_impl("pallas", 256, 32, None, False) == "jnp"  # a cache shorter than a key block
-    assert fp.resolve_prefill_impl("cudnn", 256, 4096, None, False) == "cudnn"
-    assert fp.resolve_prefill_impl("cudnn", 256, 4096, chosen, False) == "cudnn"  # the selection as its mask
-    assert fp.resolve_prefill_impl("cudnn", 256, 4096, None, True) == "jnp"  # int8 / fp8 cache
+    assert fp.resolve_prefill_impl("auto", 256, 4096, False, False, jnp.bfloat16) == "jnp"  # no GPU here
+    assert fp.resolve_prefill_impl("auto", 256, 4096, True, False, jnp.bfloat16, group=12, compress_ratio=4) == "jnp"
+    assert fp.resolve_prefill_impl("pallas", 256, 4096, True, True) == "pallas"
+    assert fp.resolve_prefill_impl("pallas", 96, 4096, False, False) == "jnp"  # not a power-of-two head dim
+    assert fp.resolve_prefill_impl("pallas", 256, 32, False, False) == "jnp"  # a cache shorter than a key block
+    assert fp.resolve_prefill_impl("cudnn", 256, 4096, False, False) == "cudnn"
+    assert fp.resolve_prefill_impl("cudnn", 256, 4096, True, False) == "cudnn"  # the selection as its mask
+    assert fp.resolve_prefill_impl("cudnn", 256, 4096, False, True) == "jnp"  # int8 / fp8 cache
     with pytest.raises(ValueError, match="must be one of"):
-        fp.resolve_prefill_impl("flash", 256, 4096, None, False)
+        fp.resolve_prefill_impl("flash", 256, 4096, False, False)
     with pytest.raises(ValueError, match="needs the chunk's own keys"):
         q, k, v = _case(1, 20, 1, 2, 16, 64, [0], seed=0)
         fp.attend_prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.zeros((1,), jnp.int32), impl="cudnn")
