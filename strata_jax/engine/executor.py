@@ -101,14 +101,14 @@ class StepExecutor:
         return min([end] + [p for p in job.snapshot_at if job.pos < p < end])
 
     def prefill(self, jobs: list[Job], limit: int | None = None) -> dict[int, int | None]:
-        """Runs the next prompt piece of each of `jobs` (distinct slots whose pieces take the same chunk width; a
-        power-of-two count from `config.prefill_batches`) in one call; `limit`: the widest piece (a compiled
-        width; default the largest chunk). Returns slot -> the token sampled after the prompt's last piece, or None
-        while the prompt goes on.
+        """Runs the next prompt piece of each of `jobs` (distinct slots; a power-of-two count from
+        `config.prefill_batches`) in one call, in the compiled width of the widest piece (narrower pieces padded);
+        `limit`: the widest piece (a compiled width; default the largest chunk). Returns slot -> the token sampled
+        after the prompt's last piece, or None while the prompt goes on.
 
         A failure of a call that ran one job is that job's (`Job.Failed`); of a call that ran several,
         `PrefillBatchFailed` (the scheduler runs them alone after it, so that the one at fault fails alone)."""
-        size = self.chunk_size(jobs[0], limit)
+        size = max(self.chunk_size(job, limit) for job in jobs)
         p = len(jobs)
         tokens = np.zeros((p, size), np.int32)
         n_valid, following = np.zeros(p, np.int32), np.full(p, -1, np.int32)

@@ -441,15 +441,16 @@ class Scheduler:
 
     # -- steps and their results ---------------------------------------------------------------------------------
     def _prefill_group(self, prefilling: Sequence[Job], limit: int, most: int) -> list[Job]:
-        """The jobs whose next prompt pieces run in this iteration's prefill call: the first in the policy's order,
-        and with it (up to `most`, in a compiled power-of-two count) others whose pieces take the same chunk width
-        (pieces no wider than `limit`), in that order."""
+        """The jobs whose next prompt pieces run in this iteration's prefill call: the first in the policy's order
+        and the next ones in that order (up to `most`, in a compiled power-of-two count), whatever their pieces'
+        widths: the call takes the widest piece among them (at most `limit`), the others padded. Grouping only
+        pieces of one width left a prompt whose rest was shorter than the others' to run alone: of four agents'
+        first turns arriving together, the one with the shortest tail finished first in a narrow call, the other
+        three then prefilled beside a decoder, one at a time."""
         first = prefilling[0]
         if most == 1 or first.prefill_alone:
             return [first]
-        width = self.executor.chunk_size(first, limit)
-        group = [first] + [j for j in prefilling[1:]
-                           if not j.prefill_alone and self.executor.chunk_size(j, limit) == width]
+        group = [first] + [j for j in prefilling[1:] if not j.prefill_alone]
         return group[: max(b for b in self.config.prefill_batches if b <= min(len(group), most))]
 
     def _prefill(self, jobs: list[Job], limit: int | None = None) -> None:

@@ -40,10 +40,14 @@ def test_the_compiled_prompt_counts_are_powers_of_two():
         EngineConfig(prefill_batch=0)
 
 
-def test_prompts_prefilled_together_equal_each_alone(engine, model):
+def test_prompts_prefilled_together_equal_each_alone(engine, model, monkeypatch):
     # Lengths with pieces of both widths, remainders of different sizes and prompts at different positions.
     prompts = [random_prompt(200 + i, n) for i, n in enumerate((70, 45, 100, 33, 9, 64))]
     before = engine.stats()
+    calls_seen = []  # (width, real tokens per prompt) of each prefill call
+    real = engine._runner.prefill
+    monkeypatch.setattr(engine._runner, "prefill", lambda slots, toks, n_valid, *a, **kw: calls_seen.append(
+        (np.asarray(toks).shape[1], [int(n) for n in n_valid])) or real(slots, toks, n_valid, *a, **kw))
 
     async def run():
         return await asyncio.gather(*[collect(engine, p, max_tokens=6) for p in prompts])
@@ -56,6 +60,26 @@ def test_prompts_prefilled_together_equal_each_alone(engine, model):
     pieces = after["prefill_chunks_total"] - before["prefill_chunks_total"]
     calls = after["prefill_calls_total"] - before["prefill_calls_total"]
     assert calls < pieces  # some calls really ran several prompts
+    # ... and pieces of both widths together: a 32-wide call carrying a piece of at most 8 tokens
+    assert any(width == 32 and len(n) > 1 and min(n) <= 8 for width, n in calls_seen), calls_seen
+
+
+def test_a_call_takes_the_next_prompts_whatever_their_pieces_widths():
+    """The grouping rule alone: the first prompt in the order and the next ones (a compiled power-of-two count, none
+    that must prefill alone), not only those whose pieces take the first one's width."""
+    from types import SimpleNamespace
+
+    from strata_jax.engine.scheduler import Scheduler
+
+    jobs = [SimpleNamespace(prefill_alone=False, name=i) for i in range(4)]
+    stub = SimpleNamespace(config=EngineConfig(slots=4, prefill_batch=4))
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4096, 4)] == [0, 1, 2, 3]
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs[:3], 4096, 4)] == [0, 1]  # compiled counts 1, 2, 4
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 1024, 1)] == [0]  # a mixed shape of one prompt
+    jobs[1].prefill_alone = True
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4096, 4)] == [0, 2]
+    jobs[0].prefill_alone = True
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4096, 4)] == [0]
 
 
 def test_sampled_output_does_not_depend_on_the_prompts_beside_it(engine):
