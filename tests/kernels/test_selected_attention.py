@@ -58,22 +58,27 @@ def test_equals_the_dense_masked_form(b, t, hk, g, d, s, c, top, starts, n_valid
     assert (got[~seen] == 0).all()
 
 
-def test_a_token_sees_exactly_its_blocks_and_tail():
+def check_sees_exactly_its_blocks_and_tail(attend):
     """Values one-hot by position: the output is the mean of the values the token sees, so any position gathered
-    wrongly (a wrong block, the tail past the token, a block not chosen) shows."""
+    wrongly (a wrong block, the tail past the token, a block not chosen) shows. ``attend(q, k, v, starts, ids, c)``:
+    a form with `selected_attention`'s arguments."""
     b, t, hk, g, d, s, c = 1, 6, 1, 1, 64, 64, 4  # two chosen blocks per token
     q = jnp.zeros((b, t, hk, g, d), jnp.float32)  # equal scores: uniform weights over what is seen
     k = jnp.zeros((b, hk, s, d), jnp.float32)
     v = jnp.eye(s, d, dtype=jnp.float32)[None, None]
     starts = [37]  # positions 37..42: tails 36..37, 36..38, 36..39 -> complete, 40, 40..41, 40..42
     ids = jnp.asarray([[[2, 5]] * 4 + [[2, 9]] * 2], jnp.int32)
-    got = np.asarray(selected_attention(q, k, v, jnp.asarray(starts, jnp.int32), ids, c))[0, :, 0, 0]
+    got = np.asarray(attend(q, k, v, jnp.asarray(starts, jnp.int32), ids, c))[0, :, 0, 0]
     for j, p in enumerate(range(37, 43)):
         blocks = [2, 5] if j < 4 else [2, 9]
         seen = [x for blk in blocks for x in range(blk * c, blk * c + c)] + list(range((p + 1) // c * c, p + 1))
         want = np.zeros(d)
         want[seen] = 1 / len(seen)
         np.testing.assert_allclose(got[j], want, atol=1e-6, err_msg=f"token at {p}")
+
+
+def test_a_token_sees_exactly_its_blocks_and_tail():
+    check_sees_exactly_its_blocks_and_tail(selected_attention)
 
 
 def test_quantized_cache():

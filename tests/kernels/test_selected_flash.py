@@ -15,7 +15,7 @@ from pallas_kernels import flash_prefill as fp
 from pallas_kernels.selected_attention import selected_attention
 from pallas_kernels.selected_flash import ROWS, SelectedBlocks, kernel_supports, selected_flash
 from strata_jax.model import attention
-from test_selected_attention import _case, _want
+from test_selected_attention import _case, _want, check_sees_exactly_its_blocks_and_tail
 
 
 def _poison_unseen(k, v, mask):
@@ -62,19 +62,9 @@ def test_equals_the_jnp_gather_form_it_replaces():
 
 
 def test_a_token_sees_exactly_its_blocks_and_tail():
-    """Values one-hot by position, equal scores: each output is the mean of the values the token sees."""
-    b, t, hk, g, d, s, c = 1, 6, 1, 1, 64, 64, 4
-    q = jnp.zeros((b, t, hk, g, d), jnp.float32)
-    k = jnp.zeros((b, hk, s, d), jnp.float32)
-    v = jnp.eye(s, d, dtype=jnp.float32)[None, None]
-    ids = jnp.asarray([[[2, 5]] * 4 + [[2, 9]] * 2], jnp.int32)  # positions 37..42
-    got = _run(q, k, v, [37], ids, c)[0, :, 0, 0]
-    for j, p in enumerate(range(37, 43)):
-        blocks = [2, 5] if j < 4 else [2, 9]
-        seen = [x for blk in blocks for x in range(blk * c, blk * c + c)] + list(range((p + 1) // c * c, p + 1))
-        want = np.zeros(d)
-        want[seen] = 1 / len(seen)
-        np.testing.assert_allclose(got[j], want, atol=1e-6, err_msg=f"token at {p}")
+    check_sees_exactly_its_blocks_and_tail(
+        lambda q, k, v, st, ids, c: selected_flash(q, k, v, st, ids, c, blocks=SelectedBlocks(block_k=16),
+                                                   interpret=True))
 
 
 def test_bf16_within_rounding_of_float64():
