@@ -59,12 +59,14 @@ class SelectedBlocks:
 DEFAULT_BLOCKS = SelectedBlocks(block_k=32)  # H100: 3-5% faster than 64 keys per step at 2K-60K cached tokens
 
 
-def kernel_supports(head_dim: int, group: int, compress_ratio: int, blocks: SelectedBlocks = DEFAULT_BLOCKS) -> bool:
+def kernel_supports(head_dim: int, group: int, compress_ratio: int, blocks: SelectedBlocks = DEFAULT_BLOCKS,
+                    cache_elements: int = 0) -> bool:
     """Whether the kernel takes these shapes: a power-of-two head dim >= 16, at most ``ROWS`` query heads per kv
-    head, and QSA blocks that tile ``blocks.block_k`` (a power of two no larger)."""
+    head, QSA blocks that tile ``blocks.block_k`` (a power of two no larger), and a cache of ``cache_elements``
+    (B x Hk x S x D) that int32 offsets address."""
     c = compress_ratio
     return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and 1 <= group <= ROWS
-            and 1 <= c <= blocks.block_k and c & (c - 1) == 0)
+            and 1 <= c <= blocks.block_k and c & (c - 1) == 0 and cache_elements < 2**31)
 
 
 def _kernel(start_ref, limit_ref, ids_ref, q_ref, k_ref, v_ref, o_ref, *, kv_heads, tokens, ctx, n_ids, head_dim,

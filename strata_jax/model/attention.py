@@ -235,7 +235,7 @@ class Attention(nnx.Module):
         form = "jnp"
         if t > MAX_TOKENS:
             form = resolve_prefill_impl(cfg.prefill_attention_impl, d, s, not plain, bool(scales), q.dtype,
-                                        group=group, compress_ratio=c)
+                                        group=group, compress_ratio=c, cache_elements=bsz * kvh * s * d)
         # Off a GPU, once the cache holds more blocks than the budget keeps, tokens gather their selected keys
         # instead of scoring every position (a 256-token chunk at 34K tokens: ~250x fewer scores); on a GPU the
         # selected-keys kernel does the same for prefill chunks. A prefill kernel asked for by name

@@ -82,6 +82,7 @@ def test_supported_shapes_and_bad_arguments():
     assert not kernel_supports(96, 12, 4)  # head dim not a power of two
     assert not kernel_supports(256, ROWS + 1, 4)  # more query heads per kv head than a program's rows
     assert not kernel_supports(256, 12, 6) and not kernel_supports(256, 12, 128)  # blocks that do not tile a step
+    assert not kernel_supports(256, 12, 4, cache_elements=16 * 2 * 262144 * 256)  # past int32 offsets
     q, k, v, ids = _case(1, 4, 1, 2, 16, 64, 4, 3, [10], seed=0)
     with pytest.raises(ValueError, match="power-of-two head dim"):
         _run(q[..., :12], k[..., :12], v[..., :12], [10], ids, 4)
@@ -103,6 +104,9 @@ def test_selector(monkeypatch):
     assert r("selected", 256, 4096, True, True, jnp.bfloat16, group=12, compress_ratio=4) == "jnp"  # int8 cache
     assert r("selected", 256, 4096, True, False, jnp.bfloat16, group=24, compress_ratio=4) == "jnp"
     assert r("selected", 256, 4096, False, False, jnp.bfloat16, group=12, compress_ratio=4) == "jnp"  # as auto here
+    # 16 slots of a 262,144-token cache: past the kernel's int32 offsets, so the masked form
+    assert r("selected", 256, 262144, True, False, jnp.bfloat16, group=12, compress_ratio=4,
+             cache_elements=16 * 2 * 262144 * 256) == "jnp"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "devices", lambda *a: [type("D", (), {"compute_capability": "9.0"})()])
     assert r("selected", 256, 4096, False, False, jnp.bfloat16, group=12, compress_ratio=4) == "cudnn"
@@ -110,6 +114,8 @@ def test_selector(monkeypatch):
         monkeypatch.setattr(fp, "AUTO_SELECTED", switch)
         assert r("auto", 256, 4096, True, False, jnp.bfloat16, group=12, compress_ratio=4) == want
         assert r("auto", 256, 4096, False, False, jnp.bfloat16, group=12, compress_ratio=4) == "cudnn"
+        assert r("auto", 256, 262144, True, False, jnp.bfloat16, group=12, compress_ratio=4,
+                 cache_elements=2**31) == "cudnn"  # too large a cache for the kernel: the mask again
 
 
 def test_lowers_to_one_triton_kernel_without_a_gpu():
