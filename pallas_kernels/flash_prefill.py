@@ -253,19 +253,19 @@ def auto_takes_cudnn() -> bool:
 
 def resolve_prefill_impl(impl: str, head_dim: int, ctx: int, selection: bool, quantized: bool, dtype=None, *,
                          group: int = 1, compress_ratio: int = 1, cache_elements: int = 0) -> str:
-    """Which form a prefill chunk's attention runs, ``selection`` saying whether it has a QSA selection: "auto" is,
-    on a GPU, the selected-keys kernel for chunks with a selection while `AUTO_SELECTED` (where it takes the shapes
-    and the cache is a float one), else cuDNN where `cudnn_applies` (bf16 / fp16, a float cache) on a GPU where it
-    was measured (`auto_takes_cudnn`), for chunks with a selection while `AUTO_CUDNN_SELECTED`, else the jnp form
-    (the Pallas kernel measured 1.2-1.8x the jnp form on causal chunks, below cuDNN; with a selection or a quantized
-    cache it is not yet measured); "pallas" the kernel where it takes the shapes (`kernel_supports`); "cudnn"
-    `prefill_cudnn.cudnn_prefill` for plain causal chunks and `prefill_cudnn.cudnn_prefill_selected` for chunks
-    with a selection, over a float cache; "selected" `selected_flash.selected_flash` for chunks with a selection
-    over a float cache where it takes the shapes (``group`` query heads per kv head, QSA blocks of
-    ``compress_ratio``, a cache of ``cache_elements`` = B x Hk x S x D), plain chunks as "auto" runs them; the
-    jnp form wherever the choice does not apply. `dtype`: the queries' (for "auto"; None: not cuDNN). The
-    selected-keys kernel takes the selection as block ids, which the caller (`strata_jax.model.attention`) asks the
-    indexer for when this returns "selected"."""
+    """Which form a prefill chunk's attention runs, ``selection`` saying whether it has a QSA selection: "auto" is, on a
+    GPU, the selected-keys kernel for chunks with a selection while `AUTO_SELECTED` (where it takes the shapes, the
+    queries are 16-bit and the cache is a float one), else cuDNN where `cudnn_applies` (bf16 / fp16, a float cache)
+    on a GPU where it was measured (`auto_takes_cudnn`), for chunks with a selection while `AUTO_CUDNN_SELECTED`,
+    else the jnp form (the Pallas kernel measured 1.2-1.8x the jnp form on causal chunks, below cuDNN; with a
+    selection or a quantized cache it is not yet measured); "pallas" the kernel where it takes the shapes
+    (`kernel_supports`); "cudnn" `prefill_cudnn.cudnn_prefill` for plain causal chunks and
+    `prefill_cudnn.cudnn_prefill_selected` for chunks with a selection, over a float cache; "selected"
+    `selected_flash.selected_flash` for chunks with a selection over a float cache where it takes the shapes
+    (``group`` query heads per kv head, QSA blocks of ``compress_ratio``, a cache of ``cache_elements`` = B x Hk x S
+    x D), plain chunks as "auto" runs them; the jnp form wherever the choice does not apply. `dtype`: the queries'
+    (for "auto"; None: not cuDNN). The selected-keys kernel takes the selection as block ids, which the caller
+    (`strata_jax.model.attention`) asks the indexer for when this returns "selected"."""
     if impl not in PREFILL_IMPLS:
         raise ValueError(f"prefill attention impl must be one of {', '.join(PREFILL_IMPLS)}, got {impl!r}")
     takes_selected = selection and not quantized and selected_supports(head_dim, group, compress_ratio,
@@ -275,7 +275,9 @@ def resolve_prefill_impl(impl: str, head_dim: int, ctx: int, selection: bool, qu
             return "selected"
         impl = "auto" if not selection else impl
     if impl == "auto":
-        if takes_selected and AUTO_SELECTED and jax.default_backend() == "gpu":
+        # 16-bit queries only, as measured: float32 dots would run on the FMA units (Precision.HIGHEST).
+        sixteen_bit = dtype is not None and jnp.dtype(dtype).itemsize == 2
+        if takes_selected and AUTO_SELECTED and sixteen_bit and jax.default_backend() == "gpu":
             return "selected"
         takes = (dtype is not None and cudnn_applies(dtype, quantized) and auto_takes_cudnn()
                  and (not selection or AUTO_CUDNN_SELECTED))

@@ -20,7 +20,8 @@ flash kernel, the jnp loop) still score every cached position up to the token, s
 
 The ids must be as `strata_jax.model.attention.top_block_ids` returns them: each token's chosen complete blocks
 first, then ``S // compress_ratio`` (no block) for the slots it could not fill. Float caches only (an int8 / fp8
-cache takes the other forms). No gradient: the trainer differentiates the jnp forms.
+cache takes the other forms). Its gradient is the reference's (`jax.custom_vjp`): the demo trainer differentiates
+the attention layer.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.selected_attention import selected_attention
 
 _NEG = -1e30  # the running max before any key: finite, so that exp(_NEG - m) is 0 rather than NaN
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -125,7 +128,8 @@ def selected_flash(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, i
     chosen complete blocks as `top_block_ids` returns them (live ids first; S // compress_ratio: no block);
     ``n_valid`` [B] real tokens (no position at or past ``start + n_valid`` is read). Returns [B, T, Hk, G, D] in q's
     dtype; a token that sees nothing gets zeros, and so does a token past ``n_valid`` (where the reference attends
-    to the slot's real positions: the model drops those rows). ``interpret``: Pallas interpret mode (CPU tests)."""
+    to the slot's real positions: the model drops those rows). ``interpret``: Pallas interpret mode (CPU tests).
+    Differentiable in q, k and v through the reference."""
     bsz, t, kv_heads, group, d = q.shape
     s = k.shape[2]
     c = compress_ratio
@@ -146,18 +150,45 @@ def selected_flash(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, i
     if bsz * kv_heads * s * d >= 2**31:  # the kernel addresses the flattened caches with int32 offsets
         raise ValueError(f"the selected-keys kernel addresses B x Hk x S x D = {bsz * kv_heads * s * d} cache "
                          "elements with int32 offsets; fewer slots or cache positions are needed")
+    start = start.astype(jnp.int32)
+    n = jnp.full((bsz,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    return _selected(q, k, v, start, ids.astype(jnp.int32), n, c, blocks, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _selected(q, k, v, start, ids, n, c, blocks, interpret):
+    return _call(q, k, v, start, ids, n, c, blocks, interpret)
+
+
+def _selected_fwd(q, k, v, start, ids, n, c, blocks, interpret):
+    return _call(q, k, v, start, ids, n, c, blocks, interpret), (q, k, v, start, ids, n)
+
+
+def _selected_bwd(c, blocks, interpret, res, g):
+    """The gradient through the reference (the demo trainer differentiates the attention layer), with the rows the
+    kernel zeroes (tokens past n_valid) given none."""
+    q, k, v, start, ids, n = res
+    real = (jnp.arange(q.shape[1])[None, :] < n[:, None])[:, :, None, None, None]
+    _, vjp = jax.vjp(lambda q_, k_, v_: selected_attention(q_, k_, v_, start, ids, c, n), q, k, v)
+    return (*vjp(jnp.where(real, g, jnp.zeros_like(g))), None, None, None)
+
+
+_selected.defvjp(_selected_fwd, _selected_bwd)
+
+
+def _call(q, k, v, start, ids, n, c, blocks, interpret):
+    bsz, t, kv_heads, group, d = q.shape
+    s = k.shape[2]
     nb = s // c
     top = ids.shape[2]
     ids_per_step = blocks.block_k // c
     n_ids = pl.cdiv(top + 1, ids_per_step) * ids_per_step
-    start = start.astype(jnp.int32)
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    n = jnp.full((bsz,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     limit = jnp.minimum(start + n, s)
     # [tail, chosen..., padding]: the tail block id may be nb (a token at the cache's last position): never seen.
     tail = jnp.minimum((positions + 1) // c, nb)[..., None]
     pad = jnp.full((bsz, t, n_ids - top - 1), nb, jnp.int32)
-    ids_ext = jnp.concatenate([tail, jnp.minimum(ids.astype(jnp.int32), nb), pad], axis=-1).reshape(-1)
+    ids_ext = jnp.concatenate([tail, jnp.minimum(ids, nb), pad], axis=-1).reshape(-1)
     # Rows (slot, kv head, token, head), each token's G heads padded to ROWS.
     qr = jnp.transpose(q, (0, 2, 1, 3, 4))
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, ROWS - group), (0, 0))).reshape(-1, d)

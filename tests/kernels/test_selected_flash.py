@@ -77,6 +77,26 @@ def test_bf16_within_rounding_of_float64():
     assert np.abs(got - want).mean() <= 1.5 * np.abs(ref - want).mean() + 1e-6
 
 
+def test_gradient_is_the_references_for_real_tokens():
+    """The demo trainer differentiates the attention layer: the kernel's gradient is the jnp gather form's, with
+    nothing from the rows it zeroes (tokens past n_valid)."""
+    b, t, hk, g, d, s, c, top = 2, 7, 1, 2, 16, 128, 4, 4
+    q, k, v, ids = _case(b, t, hk, g, d, s, c, top, [50, 20], seed=9)
+    st, nv = jnp.asarray([50, 20], jnp.int32), jnp.asarray([7, 5], jnp.int32)
+    real = (jnp.arange(t)[None, :] < nv[:, None])[:, :, None, None, None]
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.where(real, jnp.sin(fn(q, k, v)), 0.0))
+
+    kernel = lambda q, k, v: selected_flash(q, k, v, st, ids, c, nv, blocks=SelectedBlocks(block_k=16),  # noqa: E731
+                                            interpret=True)
+    got = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(lambda q, k, v: selected_attention(q, k, v, st, ids, c, nv)), argnums=(0, 1, 2))(q, k, v)
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(got[0])).sum() > 0
+
+
 def test_supported_shapes_and_bad_arguments():
     assert kernel_supports(256, 12, 4) and kernel_supports(16, ROWS, 32)
     assert not kernel_supports(96, 12, 4)  # head dim not a power of two
@@ -116,6 +136,7 @@ def test_selector(monkeypatch):
         assert r("auto", 256, 4096, False, False, jnp.bfloat16, group=12, compress_ratio=4) == "cudnn"
         assert r("auto", 256, 262144, True, False, jnp.bfloat16, group=12, compress_ratio=4,
                  cache_elements=2**31) == "cudnn"  # too large a cache for the kernel: the mask again
+        assert r("auto", 256, 4096, True, False, jnp.float32, group=12, compress_ratio=4) == "jnp"  # not measured
 
 
 def test_lowers_to_one_triton_kernel_without_a_gpu():
