@@ -269,7 +269,7 @@ class Scheduler:
             self._prefill([burst])
         elif prefilling and self.policy.may_prefill(decoders):
             limit, most = self.policy.shape(decoders, len(prefilling))
-            self._prefill(self._prefill_group(prefilling, limit, most), limit)
+            self._prefill(self._prefill_group(prefilling, most), limit)
         elif prefilling:
             self.counters["prefill_deferred"] += 1
         decoding = [j for j in self._slots if j is not None and not j.prefilling]
@@ -440,10 +440,10 @@ class Scheduler:
         )
 
     # -- steps and their results ---------------------------------------------------------------------------------
-    def _prefill_group(self, prefilling: Sequence[Job], limit: int, most: int) -> list[Job]:
+    def _prefill_group(self, prefilling: Sequence[Job], most: int) -> list[Job]:
         """The jobs whose next prompt pieces run in this iteration's prefill call: the first in the policy's order
         and the next ones in that order (up to `most`, in a compiled power-of-two count), whatever their pieces'
-        widths: the call takes the widest piece among them (at most `limit`), the others padded. Grouping only
+        widths: the call takes the widest piece among them (`StepExecutor.prefill`), the others padded. Grouping only
         pieces of one width left a prompt whose rest was shorter than the others' to run alone: of four agents'
         first turns arriving together, the one with the shortest tail finished first in a narrow call, the other
         three then prefilled beside a decoder, one at a time."""

@@ -73,13 +73,13 @@ def test_a_call_takes_the_next_prompts_whatever_their_pieces_widths():
 
     jobs = [SimpleNamespace(prefill_alone=False, name=i) for i in range(4)]
     stub = SimpleNamespace(config=EngineConfig(slots=4, prefill_batch=4))
-    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4096, 4)] == [0, 1, 2, 3]
-    assert [j.name for j in Scheduler._prefill_group(stub, jobs[:3], 4096, 4)] == [0, 1]  # compiled counts 1, 2, 4
-    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 1024, 1)] == [0]  # a mixed shape of one prompt
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4)] == [0, 1, 2, 3]
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs[:3], 4)] == [0, 1]  # compiled counts 1, 2, 4
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 1)] == [0]  # a mixed shape of one prompt
     jobs[1].prefill_alone = True
-    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4096, 4)] == [0, 2]
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4)] == [0, 2]
     jobs[0].prefill_alone = True
-    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4096, 4)] == [0]
+    assert [j.name for j in Scheduler._prefill_group(stub, jobs, 4)] == [0]
 
 
 def test_sampled_output_does_not_depend_on_the_prompts_beside_it(engine):
