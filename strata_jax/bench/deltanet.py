@@ -158,7 +158,7 @@ def parse_form(form: str, scans: tuple[str, ...], flag: str) -> tuple[str, objec
 
 
 @contextlib.contextmanager
-def _module_constants(module, names: dict[str, str], settings: dict):
+def module_constants(module, names: dict[str, str], settings: dict):
     """While inside, `module`'s constants named by `names` (setting -> constant) hold `settings`' values."""
     saved = {names[k]: getattr(module, names[k]) for k in settings}
     for key, value in settings.items():
@@ -177,7 +177,7 @@ def prep_kernel(settings: dict | None):
     if settings is None:
         yield "jnp"
         return
-    with _module_constants(delta_prep, {"num_warps": "NUM_WARPS", "precision": "PRECISION"}, settings):
+    with module_constants(delta_prep, {"num_warps": "NUM_WARPS", "precision": "PRECISION"}, settings):
         yield "pallas"
 
 
@@ -191,7 +191,7 @@ def scan_kernel(scan: str):
         return
     names = {"block_v": "BLOCK_V", "num_warps": "NUM_WARPS", "num_stages": "NUM_STAGES",
              "precision": "KERNEL_PRECISION"}
-    with _module_constants(delta_chunk, names, settings):
+    with module_constants(delta_chunk, names, settings):
         yield "pallas"
 
 

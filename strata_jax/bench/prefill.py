@@ -25,7 +25,7 @@ import time
 
 from pallas_kernels import flash_prefill
 from strata_jax.bench.common import matmul_rate
-from strata_jax.bench.deltanet import PREP_PRECISIONS, parse_form, prep_kernel, scan_kernel
+from strata_jax.bench.deltanet import PREP_PRECISIONS, module_constants, parse_form, prep_kernel, scan_kernel
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from strata_jax.model import deltanet
 from strata_jax.model.config import ModelConfig
@@ -130,17 +130,10 @@ def _on_off(text: str) -> bool:
     return text == "on"
 
 
-@contextlib.contextmanager
 def auto_selected(setting: bool | None):
     """While inside, models traced take (True) or skip (False) the selected-keys kernel for QSA chunks under
     "auto" (None: leave the default)."""
-    saved = flash_prefill.AUTO_SELECTED
-    if setting is not None:
-        flash_prefill.AUTO_SELECTED = setting
-    try:
-        yield
-    finally:
-        flash_prefill.AUTO_SELECTED = saved
+    return module_constants(flash_prefill, {"on": "AUTO_SELECTED"}, {} if setting is None else {"on": setting})
 
 
 def _run_form(args: argparse.Namespace, model, rate: float, form: str) -> list[dict]:
