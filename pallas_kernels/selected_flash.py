@@ -136,10 +136,11 @@ def selected_flash(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, i
     if k.shape != (bsz, kv_heads, s, d) or v.shape != k.shape:
         raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape} (want q [B, T, Hk, G, D], k "
                          "and v [B, Hk, S, D])")
-    if not kernel_supports(d, group, c, blocks):
+    if not kernel_supports(d, group, c, blocks, bsz * kv_heads * s * d):
         raise ValueError(f"the selected-keys kernel needs a power-of-two head dim >= 16, at most {ROWS} query heads "
-                         f"per kv head and a power-of-two QSA block <= block_k = {blocks.block_k}; got D={d}, "
-                         f"G={group}, compress_ratio={c}")
+                         f"per kv head, a power-of-two QSA block <= block_k = {blocks.block_k} and fewer than 2**31 "
+                         f"cache elements (int32 offsets); got D={d}, G={group}, compress_ratio={c}, B x Hk x S x D = "
+                         f"{bsz * kv_heads * s * d}")
     if c < 1 or s % c:
         raise ValueError(f"the cache length {s} must be a whole number of QSA blocks of {c}")
     if ids.ndim != 3 or ids.shape[:2] != (bsz, t):
@@ -147,9 +148,6 @@ def selected_flash(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, i
     if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):
         raise ValueError(f"the selected-keys kernel reads float caches; got {k.dtype} (a quantized cache takes the "
                          "jnp form)")
-    if bsz * kv_heads * s * d >= 2**31:  # the kernel addresses the flattened caches with int32 offsets
-        raise ValueError(f"the selected-keys kernel addresses B x Hk x S x D = {bsz * kv_heads * s * d} cache "
-                         "elements with int32 offsets; fewer slots or cache positions are needed")
     start = start.astype(jnp.int32)
     n = jnp.full((bsz,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     return _selected(q, k, v, start, ids.astype(jnp.int32), n, c, blocks, interpret)
