@@ -24,15 +24,16 @@ MAX_MODEL_DRAFT_K = 8  # a separate draft model (strata_jax/engine/draft_model.p
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """slots: concurrent sequences decoded by one step. max_context: tokens per slot (prompt + output).
-    prefill_chunks: prompt chunk sizes compiled at warm-up; the largest sets the grid prompts are cut on (and
-    bounds how long a prefill chunk stalls running streams), smaller ones serve short remainders.
+    prefill_chunks: prompt chunk sizes compiled at warm-up; the largest is the longest piece a prompt is cut into
+    (and bounds how long a prefill chunk stalls running streams), smaller ones serve short remainders.
     prefill_batch: the most prompts prefilled together in one call (each its own chunk, one row of the call): up to
     this many prompts that need a chunk of the same size share a step, in power-of-two groups (each group size is
     compiled for each chunk size). 1 = one prompt per call.
     prefix_cache_mib: host memory for prefix-cache snapshots (0 disables it). prefix_cache_device_mib: device memory
     for the most recently used snapshots (restored device to device; the others go to the host; 0 = none); the
     engine cuts it after warm-up to what the device holds beside its largest step's workspace.
-    snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk).
+    snapshot_every: prompt tokens between prefix-cache snapshots during prefill (a multiple of the largest chunk;
+    a snapshot follows each prompt piece that passes a multiple of it).
     draft: speculative drafter for every slot: "none", "ngram" (prompt lookup) or "mtp" (the checkpoint's own MTP
     head, chained draft_k times inside each step); draft_k: the most tokens guessed per step for a slot, at most
     `MAX_DRAFT_K[draft]` (16 for n-gram and for a drafter passed to the Engine, 8 for the model drafters).

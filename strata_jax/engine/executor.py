@@ -89,14 +89,19 @@ class StepExecutor:
             self.placement.tick()
 
     def chunk_size(self, job: Job, limit: int | None = None) -> int:
-        """The compiled chunk width `job`'s next prompt piece runs in (pieces are cut on the grid of the largest
-        chunk, or of `limit`, a compiled width, while slots decode)."""
-        n = self._piece_end(job, limit) - job.pos
-        return next(c for c in self.config.prefill_chunks if c >= n)
+        """The compiled chunk width `job`'s next prompt piece runs in (a piece is at most the largest chunk, or
+        `limit`, a compiled width)."""
+        return next(c for c in self.config.prefill_chunks if c >= self.piece_length(job, limit))
+
+    def piece_length(self, job: Job, limit: int | None = None) -> int:
+        """Tokens of `job`'s next prompt piece when pieces are at most `limit` (default the largest chunk)."""
+        return self._piece_end(job, limit) - job.pos
 
     def _piece_end(self, job: Job, limit: int | None = None) -> int:
-        grid = limit or self.config.chunk
-        end = min(len(job.fill), (job.pos // grid + 1) * grid)
+        # Pieces start where the slot's cache ends, not on a grid: after a prefix restored at an arbitrary point
+        # (the end of a shared system prompt), a grid cost one extra narrow call to reach it (every first turn of
+        # agents arriving together paid one 1,024-wide call of 384 tokens).
+        end = min(len(job.fill), job.pos + (limit or self.config.chunk))
         # A piece ends where a snapshot is due (a point where a later prompt parts from this one).
         return min([end] + [p for p in job.snapshot_at if job.pos < p < end])
 

@@ -266,10 +266,10 @@ class Scheduler:
             [j for j in self._slots if j is not None and j.prefilling and j.waiting_for is None])
         burst = self.policy.burst(prefilling, decoders)
         if burst is not None:
-            self._prefill([burst])
+            self._prefill(*self._prefill_call([burst], self.config.chunk))
         elif prefilling and self.policy.may_prefill(decoders):
             limit, most = self.policy.shape(decoders, len(prefilling))
-            self._prefill(self._prefill_group(prefilling, most), limit)
+            self._prefill(*self._prefill_call(self._prefill_group(prefilling, most), limit))
         elif prefilling:
             self.counters["prefill_deferred"] += 1
         decoding = [j for j in self._slots if j is not None and not j.prefilling]
@@ -453,14 +453,30 @@ class Scheduler:
         group = [first] + [j for j in prefilling[1:] if not j.prefill_alone]
         return group[: max(b for b in self.config.prefill_batches if b <= min(len(group), most))]
 
+    def _prefill_call(self, group: list[Job], limit: int) -> tuple[list[Job], int]:
+        """(the first jobs of `group`, the widest piece) of this iteration's prefill call: of the compiled widths up
+        to `limit` and the prompt counts up to `group`'s, the shape that moves the most prompt tokens per second
+        (`PrefillPolicy.fastest`); the whole group at `limit` before warm-up has timed the shapes."""
+        pieces = {w: [self.executor.piece_length(job, w) for job in group]
+                  for w in self.config.prefill_chunks if w <= limit}
+        best = self.policy.fastest(pieces, len(group))
+        if best is None:
+            return group, limit
+        width, prompts = best
+        return group[:prompts], width
+
     def _prefill(self, jobs: list[Job], limit: int | None = None) -> None:
+        every = self.config.snapshot_every
+        started = {job.slot: job.pos for job in jobs}
         tokens = self.executor.prefill(jobs, limit)
         for job in jobs:
             token = tokens[job.slot]
             # The end of a long prompt too: an agent's next turn re-sends it (its answer re-rendered by the chat
             # template rarely matches the tokens generated, so the end-of-turn snapshot seldom serves it).
-            prompt_end = token is not None and job.pos >= self.config.snapshot_every
-            if job.pos % self.config.snapshot_every == 0 or job.pos in job.snapshot_at or prompt_end:
+            prompt_end = token is not None and job.pos >= every
+            # Pieces need not end on multiples of `every`: a snapshot after each piece that passes one.
+            passed = job.pos // every > started[job.slot] // every
+            if passed or job.pos in job.snapshot_at or prompt_end:
                 self._snapshot(job, job.fill[: job.pos])
             if token is not None and job.refilling:  # a refill after lost state: its next token is known already
                 job.refilling = False

@@ -217,9 +217,9 @@ def test_a_prompt_that_fits_the_burst_prefills_at_once_and_long_ones_stay_paced(
     config = EngineConfig(prefill_chunks=(256, 1024), slots=4, decode_share=0.7, prefill_burst_ms=300)
     policy = PrefillPolicy(config)
     policy.warmed_up({("prefill", 256, 1): 0.05, ("prefill", 1024, 1): 0.1, ("prefill", 1024, 2): 0.19})
-    later = _job(9000, submitted=0.0, pos=7000)  # pieces 7000-7168 (256 wide), 7168-8192, 8192-9000: 0.25 s
-    first = _job(20000, submitted=0.0, pos=4000)
-    assert policy.estimate(later) == pytest.approx(0.25) and policy.estimate(first) == pytest.approx(1.65)
+    later = _job(9000, submitted=0.0, pos=7000)  # pieces 7000-8024, 8024-9000 (both 1,024 wide): 0.2 s
+    first = _job(20000, submitted=0.0, pos=4000)  # 16 pieces (the last 640 tokens, 1,024 wide)
+    assert policy.estimate(later) == pytest.approx(0.2) and policy.estimate(first) == pytest.approx(1.6)
     assert policy.burst([first, later], decoding=False, now=1.0) is None  # nobody decodes: all calls full width
     policy.prefilled(0.2, decoding=True)  # in debt, under one burst: may_prefill says no, a burst may start
     assert not policy.may_prefill(decoding=True)

@@ -118,3 +118,59 @@ def test_a_failed_shared_prefill_fails_only_the_prompt_at_fault(engine, model, m
         assert tokens(events) == greedy(model, p, 5)
         assert events[-1].finish_reason == "length"
     assert shared_failures[-1] == 1 and max(shared_failures) > 1  # failed shared, then alone
+
+
+# Warm-up's call times on an H100 (Flash-Next, 2026-12-07): (step, width, prompts) -> seconds.
+H100_SECONDS = {("prefill", 256, 1): 0.040, ("prefill", 256, 2): 0.069, ("prefill", 256, 4): 0.090,
+                ("prefill", 1024, 1): 0.083, ("prefill", 1024, 2): 0.144, ("prefill", 1024, 4): 0.261,
+                ("prefill", 4096, 1): 0.258, ("prefill", 4096, 2): 0.498, ("prefill", 4096, 4): 0.953}
+
+
+def _pieces(remaining, widths=(256, 1024, 4096)):
+    return {w: [min(r, w) for r in remaining] for w in widths}
+
+
+def test_a_call_takes_the_shape_that_moves_the_most_prompt_tokens_per_second():
+    """`fastest_call`: four agents' last pieces after their shared prefix (measured: a 4,096 x 4 call of them took
+    as long as a full one) go 1,024 wide; full pieces stay in the widest call, as do near ties; short rests take
+    narrow calls; a shape warm-up did not time is never chosen."""
+    from strata_jax.engine.prefill_policy import fastest_call
+
+    assert fastest_call(_pieces([745, 1027, 1221, 2718]), (1, 2, 4), H100_SECONDS) == (1024, 4)
+    assert fastest_call(_pieces([9000, 9200, 9400, 10900]), (1, 2, 4), H100_SECONDS) == (4096, 4)
+    assert fastest_call(_pieces([3000] * 4), (1, 2, 4), H100_SECONDS) == (4096, 4)  # 1,024 x 4 only 1.25x
+    assert fastest_call(_pieces([3, 197]), (1, 2), H100_SECONDS) == (256, 2)
+    assert fastest_call(_pieces([1694]), (1,), H100_SECONDS) == (1024, 1)
+    assert fastest_call(_pieces([5000]), (1,), H100_SECONDS) == (4096, 1)
+    # Two short rests beside two long ones: all four in the widest call (no narrower call is clearly faster).
+    assert fastest_call(_pieces([40, 60, 4096, 4096]), (1, 2, 4), H100_SECONDS) == (4096, 4)
+    untimed = {k: v for k, v in H100_SECONDS.items() if k[1] != 1024}  # only 256 and 4,096 were timed
+    assert fastest_call(_pieces([745, 1027, 1221, 2718]), (1, 2, 4), untimed) == (256, 4)
+    assert fastest_call(_pieces([745]), (1,), {}) is None
+
+
+def test_pieces_start_where_the_slot_cache_ends_and_the_call_shape_follows_them():
+    """After a prefix restored at 16,000 tokens, the next piece is a full 4,096 (a grid would cut 384 first); the
+    scheduler's call for four such prompts near their ends takes the 1,024-wide shape for all four."""
+    from types import SimpleNamespace
+
+    from strata_jax.engine.executor import StepExecutor
+    from strata_jax.engine.prefill_policy import PrefillPolicy
+    from strata_jax.engine.scheduler import Scheduler
+
+    config = EngineConfig(slots=4, prefill_chunks=(256, 1024, 4096), prefill_batch=4)
+    executor = SimpleNamespace(config=config)
+    executor._piece_end = lambda job, limit=None: StepExecutor._piece_end(executor, job, limit)
+    executor.piece_length = lambda job, limit=None: StepExecutor.piece_length(executor, job, limit)
+    job = SimpleNamespace(pos=16000, fill=range(24937), snapshot_at=set())
+    assert executor.piece_length(job) == 4096 and executor.piece_length(job, 1024) == 1024
+    job.snapshot_at.add(18000)  # a parting point: a snapshot is due there
+    assert executor.piece_length(job) == 2000
+    policy = PrefillPolicy(config)
+    stub = SimpleNamespace(config=config, executor=executor, policy=policy)
+    ends = [24937, 25219, 25413, 26910]
+    group = [SimpleNamespace(pos=24192, fill=range(n), snapshot_at=set()) for n in ends]
+    assert Scheduler._prefill_call(stub, group, 4096) == (group, 4096)  # before warm-up: the whole group, widest
+    policy.warmed_up(H100_SECONDS)
+    assert Scheduler._prefill_call(stub, group, 4096) == (group, 1024)
+    assert Scheduler._prefill_call(stub, group[:1], 4096) == (group[:1], 1024)  # 745 tokens alone (a burst)
