@@ -30,8 +30,10 @@ import jax
 import numpy as np
 
 from strata_jax.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from strata_jax.engine.call_log import by_shape
 from strata_jax.loaded_model import LoadedModel
 
+TRACE_CALLS = 200_000  # --trace: the engine keeps this many calls (a row of 8 agents makes ~10,000)
 _TOOL_TEXT = "    def handle(self, request):\n        return self.router.dispatch(request.path, request.body)\n"
 
 
@@ -71,6 +73,10 @@ def agents_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--snapshot-every", type=int, default=None,
                    help="EngineConfig.snapshot_every (default the engine's: 1024)")
     g.add_argument("--agents-seed", type=int, default=0, help="seed of the sizes and synthetic tokens")
+    g.add_argument("--trace", action="store_true",
+                   help="keep the engine's calls (EngineConfig.call_log): each row's JSON gets `calls` (every "
+                        "prefill call with its prompts' pieces, decode steps, restores and snapshots, in seconds "
+                        "from the row's first submission) and `prefill_calls_by_shape`, printed after the row")
 
 
 def claude_code_body() -> dict:
@@ -222,7 +228,8 @@ def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | 
              if v is not None}
     config = EngineConfig(slots=max(args.sessions), max_context=ctx, prefill_chunks=args.prefill_chunks,
                           prefill_batch=args.prefill_batch, prefix_cache_mib=args.prefix_cache_mib,
-                          prefix_cache_device_mib=args.prefix_cache_device_mib, **extra)
+                          prefix_cache_device_mib=args.prefix_cache_device_mib,
+                          call_log=TRACE_CALLS if args.trace else 0, **extra)
     engine = Engine(model, config)
     engine.start()
     rows = []
@@ -243,6 +250,8 @@ def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | 
             wall = time.perf_counter() - started
             rows.append(_row(n, args, engine.config, sessions, wall, before, engine.stats()))
             _print_row(rows[-1])
+            if args.trace:
+                _add_calls(rows[-1], engine.calls(since=started), min(r["submitted"] for s in sessions for r in s))
             if on_row is not None:
                 on_row(rows)
     finally:
@@ -288,6 +297,16 @@ def _row(n: int, args, config: EngineConfig, sessions: list[list[dict]], wall: f
         "measured_on": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
         "timeline": _timeline(sessions),
     }
+
+
+def _add_calls(row: dict, calls, origin: float) -> None:
+    """`--trace`: the row's engine calls (seconds from `origin`, its first submission) and its prefill calls per
+    shape, printed."""
+    shapes = by_shape(calls)
+    row["calls"] = [c.as_dict(origin) for c in calls]
+    row["prefill_calls_by_shape"] = {k: [n, round(s, 4)] for k, (n, s) in shapes.items()}
+    print("  prefill calls by shape (calls, seconds): "
+          + (", ".join(f"{k} {n} ({s:.2f} s)" for k, (n, s) in shapes.items()) or "none"), flush=True)
 
 
 def _timeline(sessions: list[list[dict]]) -> list[dict]:

@@ -78,6 +78,8 @@ class EngineConfig:
     share_min_tokens: a prompt admitted while another one prefills the same first (at least this many) tokens waits
     for that one's snapshot at the point they part, then restores it: a prefix common to many conversations is
     computed once (0 = off).
+    call_log: keep the engine thread's last this many calls (prefill pieces, steps, restores, snapshots) with their
+    times, for `Engine.calls` (strata_jax/engine/call_log.py; 0 = off; `bench --mode agents --trace`).
     """
 
     slots: int = 4
@@ -103,6 +105,7 @@ class EngineConfig:
     prefill_burst_ms: float = 400.0
     prefill_aging_s: float = 5.0
     share_min_tokens: int = 1024
+    call_log: int = 0
 
     def __post_init__(self):
         if self.slots < 1:
@@ -137,6 +140,8 @@ class EngineConfig:
             raise ValueError("decode_share must be in [0, 1), mixed_step_ms >= 0 and prefill_aging_s > 0")
         if not self.prefill_burst_ms >= 0:
             raise ValueError(f"prefill_burst_ms must be >= 0 (0 = off), got {self.prefill_burst_ms}")
+        if self.call_log < 0:
+            raise ValueError(f"call_log must be >= 0 (0 = off), got {self.call_log}")
         if self.share_min_tokens < 0:
             raise ValueError(f"share_min_tokens must be >= 0, got {self.share_min_tokens}")
         big = self.prefill_chunks[-1]

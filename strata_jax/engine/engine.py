@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from strata_jax.loaded_model import LoadedModel
 from strata_jax.engine.protocol import EngineUnavailable, GenerationRequest, PromptTooLong, TokenEvent
+from strata_jax.engine.call_log import Call
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.drafters import Drafter, make_drafter
 from strata_jax.engine.job import Job
@@ -245,6 +246,11 @@ class Engine:
         is admitted, e.g. between benchmark runs that must not share or evict each other's snapshots. Requests
         running now keep their slots; later turns of theirs prefill their whole prompt again."""
         self._scheduler.clear_prefix_cache()
+
+    def calls(self, since: float = float("-inf")) -> list[Call]:
+        """The engine thread's calls that started at or after `since` (`time.perf_counter()`), oldest first: kept
+        only with `EngineConfig.call_log` > 0 (the last that many), else none."""
+        return self._scheduler.calls.calls(since)
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges for /metrics (see `EngineProtocol.stats`), with the watchdog's."""

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from strata_jax.engine.call_log import CallLog
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.job import Job
 from strata_jax.engine.placement import ExpertPlacement
@@ -71,8 +72,9 @@ class StepExecutor:
     """Runs prefill chunks, decode and verify steps for the scheduler (engine thread only)."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, runner: ModelRunner, placement: ExpertPlacement,
-                 counters: collections.Counter):
+                 counters: collections.Counter, calls: CallLog | None = None):
         self.model = model
+        self.calls = calls if calls is not None else CallLog(0)
         self.config = config
         self.runner = runner
         self.placement = placement
@@ -127,8 +129,10 @@ class StepExecutor:
             contexts = [np.concatenate(parts) for parts in zip(*(job.ple_ctx for job in jobs))]
             rows, ctx = self.model.ple_inputs(contexts, tokens, n_valid)
             masks, wanted = self._grammar(jobs, rows=p, last=[end == len(job.fill) for job, end in zip(jobs, ends)])
-            out = self.runner.prefill([job.slot for job in jobs], tokens, n_valid, following, rows, sampling, masks,
-                                      wanted)
+            pieces = tuple((job.slot, job.pos, end, len(job.fill)) for job, end in zip(jobs, ends))
+            with self.calls.timed("prefill", width=size, pieces=pieces):
+                out = self.runner.prefill([job.slot for job in jobs], tokens, n_valid, following, rows, sampling,
+                                          masks, wanted)
         except Job.Failed:
             raise
         except Exception as e:
@@ -157,7 +161,8 @@ class StepExecutor:
         self._note_step_start()
         sampling, grammar = self._sampling(jobs), self._grammar(jobs)
         started = time.perf_counter()
-        out = self.runner.decode(tokens, active, rows, sampling, *grammar)
+        with self.calls.timed("decode", slots=tuple(job.slot for job in jobs)):
+            out = self.runner.decode(tokens, active, rows, sampling, *grammar)
         self._count_step_call(started)
         self.after_step("decode")
         self._last_decode = time.monotonic()
@@ -190,7 +195,8 @@ class StepExecutor:
         self._note_step_start()
         sampling = self._sampling(jobs)
         started = time.perf_counter()
-        out = self.runner.verify(tokens, n_valid, rows, sampling, masks, wanted)
+        with self.calls.timed("verify", slots=tuple(job.slot for job in jobs), width=width):
+            out = self.runner.verify(tokens, n_valid, rows, sampling, masks, wanted)
         self._count_step_call(started)
         self.after_step("verify")
         self._last_decode = time.monotonic()
@@ -223,7 +229,8 @@ class StepExecutor:
         else:
             tokens, sampling = previous.out, previous.sampling  # inactive slots are masked: stale values are fine
         started = time.perf_counter()
-        out = self.runner.decode_on_device(tokens, active, sampling)
+        with self.calls.timed("launch", slots=tuple(job.slot for job in jobs)):
+            out = self.runner.decode_on_device(tokens, active, sampling)
         self.after_step("decode")
         self.counters["launch_seconds"] += time.perf_counter() - started
         self.counters["decode_steps"] += 1
@@ -264,7 +271,8 @@ class StepExecutor:
         started = time.perf_counter()
         tokens, n_valid, lengths = self.runner.window(drafter, out, accepted, lengths, step_drafts, wants, active,
                                                       width)
-        step = self.runner.verify_on_device(tokens, n_valid, sampling)
+        with self.calls.timed("launch", slots=tuple(job.slot for job in jobs), width=width):
+            step = self.runner.verify_on_device(tokens, n_valid, sampling)
         self.after_step("verify")
         self.counters["launch_seconds"] += time.perf_counter() - started
         self.counters["verify_steps"] += 1
@@ -299,13 +307,15 @@ class StepExecutor:
         """Waits for `step` and copies its outputs to the host; a window's also go into its jobs (what the device
         consumed, the MTP head's guesses for a step that follows on the host)."""
         started = time.perf_counter()
-        if step.kind == "decode":
-            landed = Landed(step.jobs, np.asarray(step.out))
-        else:
-            out, accepted, n_valid, lengths, drafts = jax.device_get(
-                (step.out, step.accepted, step.n_valid, step.lengths, step.drafts))
-            landed = Landed(step.jobs, out, accepted, np.maximum(n_valid - 1, 0),
-                            {job.slot: int(lengths[job.slot]) for job in step.jobs})
+        with self.calls.timed("land", slots=tuple(job.slot for job in step.jobs)):
+            if step.kind == "decode":
+                landed = Landed(step.jobs, np.asarray(step.out))
+            else:
+                out, accepted, n_valid, lengths, drafts = jax.device_get(
+                    (step.out, step.accepted, step.n_valid, step.lengths, step.drafts))
+                landed = Landed(step.jobs, out, accepted, np.maximum(n_valid - 1, 0),
+                                {job.slot: int(lengths[job.slot]) for job in step.jobs})
+        if step.kind != "decode":
             for job in step.jobs:
                 job.consumed += int(accepted[job.slot]) + 1
                 job.device_drafts = [int(t) for t in drafts[job.slot]]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from strata_jax.engine.call_log import CallLog
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.draft_policy import DraftLengths
 from strata_jax.engine.drafters import DeviceDrafter, DraftRequest, Drafter
@@ -61,7 +62,8 @@ class Scheduler:
         self.snapshot_seconds = 0.0  # engine-thread time spent taking prefix snapshots
         self.kv_len = runner.cache.max_len
         self.counters = collections.Counter()
-        self.executor = StepExecutor(model, config, runner, placement, self.counters)
+        self.calls = CallLog(config.call_log)  # what the engine thread ran, when (benchmarks' timelines)
+        self.executor = StepExecutor(model, config, runner, placement, self.counters, self.calls)
         # Per-slot draft lengths from acceptance (strata_jax/engine/draft_policy.py); None: always draft_k.
         self.draft_lengths = DraftLengths(config.draft_ks) if config.adaptive_draft else None
         self._queue: collections.deque[Job] = collections.deque()
@@ -328,7 +330,8 @@ class Scheduler:
         holds (`fresh`: the slot holds nothing of it yet: reset it when nothing is cached)."""
         snap = self.prefix_cache.lookup(job.fill)
         if snap is not None and len(snap.tokens) > job.pos:
-            self._write_snapshot(job.slot, snap)
+            with self.calls.timed("restore", slots=(job.slot,), tokens=len(snap.tokens)):
+                self._write_snapshot(job.slot, snap)
             self.counters["cached_tokens"] += len(snap.tokens) - job.pos
             job.pos = job.cached = job.consumed = len(snap.tokens)
         elif fresh:
@@ -597,8 +600,9 @@ class Scheduler:
         if not self._keeps(len(tokens)) or tokens in self.prefix_cache:
             return
         started = time.perf_counter()
-        state = self.runner.read_on_device(job.slot, len(tokens))
-        self.prefix_cache.insert_async(tokens, state, owner=job.request.request_id)
+        with self.calls.timed("snapshot", slots=(job.slot,), tokens=len(tokens)):
+            state = self.runner.read_on_device(job.slot, len(tokens))
+            self.prefix_cache.insert_async(tokens, state, owner=job.request.request_id)
         self.snapshot_seconds += time.perf_counter() - started
 
     def _keeps(self, positions: int) -> bool:

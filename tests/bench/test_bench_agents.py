@@ -62,7 +62,7 @@ def test_tiny_agents_run_on_the_demo_model(tmp_path, monkeypatch):
     argv = ["--mode", "agents", "--sessions", "1,2", "--turns", "1", "--first-turn", "synthetic",
             "--shared-tokens", "48", "--first-tokens", "64,72", "--tool-tokens", "8,12", "--answer-tokens", "4,6",
             "--prefill-chunks", "16,32", "--stagger-s", "0.1", "--share-min-tokens", "16", "--snapshot-every", "32",
-            "--json", str(out)]
+            "--trace", "--json", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["sessions"] for r in rows] == [1, 2]
@@ -79,6 +79,18 @@ def test_tiny_agents_run_on_the_demo_model(tmp_path, monkeypatch):
                    if t["last_token_s"] > t["first_token_s"]]  # each answer's rate, pauses included
         assert r["answer_tok_s"] == pytest.approx(sum(answers) / len(answers), rel=1e-6)
         assert min(firsts) - 1e-9 <= r["ttft_first_p50_s"] <= max(firsts) + 1e-9
+        # --trace: the engine's calls. Every prompt token not restored from the cache is prefilled exactly once,
+        # in pieces no wider than their call, each call's pieces in distinct slots; steps and snapshots are there.
+        prefills = [c for c in r["calls"] if c["kind"] == "prefill"]
+        assert sum(end - start for c in prefills for _, start, end, _ in c["pieces"]) == (
+            r["prompt_tokens"] - r["prefix_cache_hit_tokens"])
+        assert all(0 < end - start <= c["width"] for c in prefills for _, start, end, _ in c["pieces"])
+        assert all(len({slot for slot, *_ in c["pieces"]}) == len(c["pieces"]) for c in prefills)
+        assert sum(n for n, _ in r["prefill_calls_by_shape"].values()) == len(prefills)
+        assert any(c["kind"] == "snapshot" for c in r["calls"])
+        assert any(c["kind"] in ("decode", "launch") for c in r["calls"])
+        assert all(-0.01 < c["start_s"] < r["wall_s"] and c["seconds"] >= 0 for c in r["calls"])
+    assert any(c["kind"] == "restore" for c in rows[1]["calls"])
     # Each later turn resumes its own conversation; the second session resumes the first one's common prefix.
     assert rows[0]["prefix_cache_hit_tokens"] >= 64
     assert rows[1]["prefix_cache_hit_tokens"] >= 2 * 64 + 32
