@@ -1,6 +1,6 @@
 """How much prefill an engine iteration runs, and whose: the scheduler asks this policy every iteration.
 
-Three rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
+The rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
 
 - **Width.** While no slot decodes, a prefill call takes the largest compiled shape (`EngineConfig.chunk` tokens x
   up to `prefill_batch` prompts): nothing waits on it. While any slot decodes, it takes a mixed shape: of the
@@ -24,8 +24,8 @@ Three rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
   ahead of every other, the longest waiting first, and no burst overtakes it.
 - **Call.** Within the width and prompt count allowed (the largest shape, a mixed shape, one prompt for a burst),
   a call takes the first prompts in that order and the compiled shape that moves the most prompt tokens per second
-  of its warm-up time (`fastest_call`): a call costs its shape whatever its prompts fill, so short last pieces go
-  in narrow calls and the narrowest prompts need not wait for a wide one.
+  of its warm-up time (`fastest_call`; the widest unless another is `CLEARLY_FASTER`): a call costs its shape
+  whatever its prompts fill, so short last pieces go in narrow calls instead of padding a wide one.
 """
 
 from __future__ import annotations
