@@ -113,7 +113,8 @@ def test_a_failed_prefill_that_consumed_the_cache_costs_the_others_nothing(engin
     real = runner.prefill
 
     def prefill(slot, tokens_, *args, **kw):
-        if tuple(int(t) for t in tokens_[0, :len(bad_prompt)]) == bad_prompt:
+        # Its first 8 tokens: the narrowest piece holds them whichever compiled width the call takes.
+        if tuple(int(t) for t in tokens_[0, :8]) == bad_prompt[:8]:
             jax.tree_util.tree_map(lambda a: a.delete(), runner.cache)  # as a failed donated call leaves it
             raise RuntimeError("injected device failure in one request's prefill")
         return real(slot, tokens_, *args, **kw)
