@@ -29,13 +29,10 @@ class Call:
 
     def as_dict(self, origin: float = 0.0) -> dict:
         """JSON-ready, `start` in seconds from `origin`; empty fields left out."""
-        out = {"kind": self.kind, "start_s": round(self.start - origin, 6), "seconds": round(self.seconds, 6)}
-        for name in ("slots", "width", "pieces", "tokens"):
-            value = getattr(self, name)
-            if value:
-                out[name] = [list(p) for p in value] if name == "pieces" else (list(value) if name == "slots"
-                                                                                 else value)
-        return out
+        out = {"kind": self.kind, "start_s": round(self.start - origin, 6), "seconds": round(self.seconds, 6),
+               "slots": list(self.slots), "width": self.width, "pieces": [list(p) for p in self.pieces],
+               "tokens": self.tokens}
+        return {k: v for k, v in out.items() if v or k in ("kind", "start_s", "seconds")}
 
 
 class CallLog:
@@ -66,9 +63,6 @@ class CallLog:
             except RuntimeError:
                 continue
         return []
-
-    def clear(self) -> None:
-        self._calls.clear()
 
 
 def by_shape(calls: Sequence[Call]) -> dict[str, tuple[int, float]]:
