@@ -157,6 +157,14 @@ VARIANTS = {
     "grouped_m64_n128_w4_x16": _grouped(64, 128, 4, unpack="xor16"),
     "grouped_m128_n64_w8": _grouped(128, 64, 8),
     "grouped_m128_n128_w8": _grouped(128, 128, 8),
+    # the prefill kernel's (m64_n128_w4_x16) unpack amortised over more rows per block, with narrower column tiles so
+    # that gate_up's two accumulators stay at 64 registers per thread (4 warps) or fewer
+    "grouped_m64_n64_w4_x16": _grouped(64, 64, 4, unpack="xor16"),
+    "grouped_m128_n64_w4_x16": _grouped(128, 64, 4, unpack="xor16"),
+    "grouped_m128_n64_w8_x16": _grouped(128, 64, 8, unpack="xor16"),
+    "grouped_m128_n32_w4_x16": _grouped(128, 32, 4, unpack="xor16"),
+    "grouped_m256_n32_w8_x16": _grouped(256, 32, 8, unpack="xor16", num_stages=2),
+    "grouped_m256_n64_w8_x16": _grouped(256, 64, 8, unpack="xor16", num_stages=2),
 }
 
 

@@ -170,5 +170,5 @@ class EngineConfig:
 
     @property
     def chunk(self) -> int:
-        """The largest prefill chunk: prompts are cut on multiples of it."""
+        """The largest prefill chunk: the widest piece a prefill call takes."""
         return self.prefill_chunks[-1]

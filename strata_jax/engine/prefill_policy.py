@@ -10,10 +10,11 @@ The rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
 - **Share.** While slots decode, prefill calls get at most 1 - `decode_share` of the engine's time: a call is
   skipped (the decoders step alone) while the prefill time spent since decoding began exceeds that share of the
   decode time. A decoding stream keeps at least `decode_share` of its solo rate, whatever the widths cost.
-- **Burst.** A prompt whose whole remaining prefill takes at most `prefill_burst_ms` at full width (warm-up's
-  timed calls; typically an agent's later turn, a tool result on a cached prefix) runs at once, piece after piece in
-  the widest shape, beside decoding slots and whatever the share says: decoders pause up to that long once, and
-  the prompt's first token comes several times sooner than in paced mixed pieces. Its time is charged to the share
+- **Burst.** Prompts whose whole remaining prefill takes at most `prefill_burst_ms` at full width, together in
+  shared calls (warm-up's timed calls; typically agents' later turns, tool results on cached prefixes, or the last
+  pieces of first turns that arrived together) run at once, call after call, beside decoding slots and whatever the
+  share says: decoders pause up to that long once, and the prompts' first tokens come several times sooner than in
+  paced mixed pieces. Its time is charged to the share
   like any prefill, so the decoders get it back from the longer prompts after it (their mean rate holds); a burst
   starts only while the debt is under one burst, so bursts cannot queue up behind each other into a long stall.
 - **Order.** Waiting prompts go shortest remaining prefill first (a later turn with a few thousand new tokens on a
@@ -22,7 +23,7 @@ The rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
   one for minutes (a 9,000-token tail overtakes a fresh 300-token turn only after 145 s; on the H200 two of eight
   agents' first turns waited 50 and 60 s), so a prompt waiting `STARVED_AGINGS` x `prefill_aging_s` or longer goes
   ahead of every other, the longest waiting first, and no burst overtakes it.
-- **Call.** Within the width and prompt count allowed (the largest shape, a mixed shape, one prompt for a burst),
+- **Call.** Within the width and prompt count allowed (the largest shape, a mixed shape, the burst's prompts),
   a call takes the first prompts in that order and the compiled shape that moves the most prompt tokens per second
   of its warm-up time (`fastest_call`; the widest unless another is `CLEARLY_FASTER`): a call costs its shape
   whatever its prompts fill, so short last pieces go in narrow calls instead of padding a wide one.
@@ -30,6 +31,7 @@ The rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -99,8 +101,7 @@ class PrefillPolicy:
         self.mixed = best_shape(self.shapes, max(b for _, b in self.shapes))  # the most tokens a mixed call takes
         self._credit = 0.0  # prefill seconds the decoders' share allows now (negative: prefill is ahead)
         self._warm_up: Mapping[tuple[str, int, int], float] = {}
-        self._seconds: dict[int, float] = {}  # chunk width -> a one-prompt call's seconds at warm-up
-        self._bursting: Job | None = None
+        self._bursting: list[Job] = []
         self.bursts = 0  # bursts started over the engine's life (/metrics)
 
     def warmed_up(self, seconds: Mapping[tuple[str, int, int], float]) -> None:
@@ -108,47 +109,63 @@ class PrefillPolicy:
         self._warm_up = seconds
         self.shapes = mixed_shapes(self.config, seconds)
         self.mixed = best_shape(self.shapes, max(b for _, b in self.shapes))
-        self._seconds = {w: s for (name, w, b), s in seconds.items() if name == "prefill" and b == 1}
 
     def reconfigure(self, config: EngineConfig) -> None:
         """Follows `config`'s pacing from now on (`Engine.set_prefill_pacing`): shapes chosen anew from the same
         warm-up times, the share's account and any burst started afresh; the counters go on."""
         self.config = config
         self._credit = 0.0
-        self._bursting = None
+        self._bursting = []
         self.warmed_up(self._warm_up)
 
     def estimate(self, job: Job) -> float:
-        """Seconds `job`'s remaining prefill takes alone at full width (pieces of the largest chunk, the last in
-        the narrowest compiled width that holds it), by warm-up's calls; inf for a width not timed."""
-        chunk, total, pos, end = self.config.chunk, 0.0, job.pos, len(job.fill)
-        while pos < end:
-            piece = min(end, pos + chunk)
-            width = next(c for c in self.config.prefill_chunks if c >= piece - pos)
-            total += self._seconds.get(width, float("inf"))
-            pos = piece
+        """Seconds `job`'s remaining prefill takes alone at full width, by warm-up's calls (`estimate_together`)."""
+        return self.estimate_together([job])
+
+    def estimate_together(self, jobs: Sequence[Job]) -> float:
+        """Seconds the remaining prefill of `jobs` takes at full width, in that order, when their pieces share calls
+        as the scheduler shares them: each call takes the first prompts left (a compiled power-of-two count) in the
+        shape of the "Call" rule (`fastest`), by warm-up's call times; inf before warm-up has timed the shapes.
+        Pieces are cut where the scheduler cuts them, at the call's width from where each slot's cache ends."""
+        widths, batches = self.config.prefill_chunks, self.config.prefill_batches
+        left = [[job.pos, len(job.fill)] for job in jobs if job.pos < len(job.fill)]
+        total = 0.0
+        while left:
+            group = left[: max(b for b in batches if b <= len(left))]
+            best = self.fastest({w: [min(w, end - pos) for pos, end in group] for w in widths}, len(group))
+            if best is None:
+                return math.inf
+            width, prompts = best
+            total += self._warm_up[("prefill", width, prompts)]
+            for piece in group[:prompts]:
+                piece[0] = min(piece[0] + width, piece[1])
+            left = [piece for piece in left if piece[0] < piece[1]]
         return total
 
-    def burst(self, jobs: Sequence[Job], decoding: bool, now: float | None = None) -> Job | None:
-        """The prompt to prefill at once this iteration (see "Burst"), or None: while slots decode, the one bursting
-        already while it prefills, else the first of `jobs` (in `order`) whose remaining prefill fits
-        `prefill_burst_ms`, while the share's debt is under one burst; never one behind a starved prompt (bursts
-        are charged to the share, so short prompts bursting past it would hold it back again). With nobody
-        decoding, None: every call is full width then, several prompts together."""
+    def burst(self, jobs: Sequence[Job], decoding: bool, now: float | None = None) -> list[Job]:
+        """The prompts to prefill at once this iteration (see "Burst"), in `jobs`' order; [] for none. While slots
+        decode: those of the burst going on that still prefill; else, while the share's debt is under one burst,
+        the first of `jobs` (in `order`) whose remaining prefill fits `prefill_burst_ms` and each next one that
+        still fits with those taken (`estimate_together`: they share calls); never one behind a starved prompt
+        (bursts are charged to the share, so short prompts bursting past it would hold it back again). With
+        nobody decoding, []: every call is full width then, several prompts together."""
         limit = self.config.prefill_burst_ms / 1e3
         if not decoding or limit <= 0 or self.config.decode_share <= 0:
-            self._bursting = None
-            return None
-        if self._bursting in jobs:
-            return self._bursting
-        self._bursting = None
+            self._bursting = []
+            return []
+        going = [job for job in jobs if job in self._bursting]
+        if going:
+            return going
+        self._bursting = []
         if self._credit <= -limit:
-            return None
+            return []
         if jobs and self.starved(jobs[0], now):
             jobs = jobs[:1]
-        self._bursting = next((job for job in jobs if self.estimate(job) <= limit), None)
-        self.bursts += self._bursting is not None
-        return self._bursting
+        for job in jobs:
+            if self.estimate_together([*self._bursting, job]) <= limit:
+                self._bursting.append(job)
+        self.bursts += bool(self._bursting)
+        return list(self._bursting)
 
     def fastest(self, pieces: Mapping[int, Sequence[int]], most: int) -> tuple[int, int] | None:
         """`fastest_call` among warm-up's shapes of at most `most` prompts (None before warm-up's timings)."""

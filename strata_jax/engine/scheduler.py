@@ -267,8 +267,8 @@ class Scheduler:
         prefilling = self.policy.order(
             [j for j in self._slots if j is not None and j.prefilling and j.waiting_for is None])
         burst = self.policy.burst(prefilling, decoders)
-        if burst is not None:
-            self._prefill(*self._prefill_call([burst], self.config.chunk))
+        if burst:
+            self._prefill(*self._prefill_call(self._prefill_group(burst, len(burst)), self.config.chunk))
         elif prefilling and self.policy.may_prefill(decoders):
             limit, most = self.policy.shape(decoders, len(prefilling))
             self._prefill(*self._prefill_call(self._prefill_group(prefilling, most), limit))

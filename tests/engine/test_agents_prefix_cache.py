@@ -220,25 +220,25 @@ def test_a_prompt_that_fits_the_burst_prefills_at_once_and_long_ones_stay_paced(
     later = _job(9000, submitted=0.0, pos=7000)  # pieces 7000-8024, 8024-9000 (both 1,024 wide): 0.2 s
     first = _job(20000, submitted=0.0, pos=4000)  # 16 pieces (the last 640 tokens, 1,024 wide)
     assert policy.estimate(later) == pytest.approx(0.2) and policy.estimate(first) == pytest.approx(1.6)
-    assert policy.burst([first, later], decoding=False, now=1.0) is None  # nobody decodes: all calls full width
+    assert policy.burst([first, later], decoding=False, now=1.0) == []  # nobody decodes: all calls full width
     policy.prefilled(0.2, decoding=True)  # in debt, under one burst: may_prefill says no, a burst may start
     assert not policy.may_prefill(decoding=True)
-    assert policy.burst([first, later], decoding=True, now=1.0) is later and policy.bursts == 1
+    assert policy.burst([first, later], decoding=True, now=1.0) == [later] and policy.bursts == 1
     policy.prefilled(0.25, decoding=True)  # deeper in debt than a burst: the burst going on still goes on
-    assert policy.burst([first, later], decoding=True, now=1.0) is later and policy.bursts == 1
+    assert policy.burst([first, later], decoding=True, now=1.0) == [later] and policy.bursts == 1
     other = _job(500, submitted=0.0)
-    assert policy.burst([first, other], decoding=True, now=1.0) is None  # `later` ended; none while in debt
+    assert policy.burst([first, other], decoding=True, now=1.0) == []  # `later` ended; none while in debt
     for _ in range(200):
         policy.decoded(0.01, prefilling=True)
-    assert policy.burst([first, other], decoding=True, now=1.0) is other and policy.bursts == 2
-    assert policy.burst([first, other], decoding=False, now=1.0) is None  # the decoders ended: full width
+    assert policy.burst([first, other], decoding=True, now=1.0) == [other] and policy.bursts == 2
+    assert policy.burst([first, other], decoding=False, now=1.0) == []  # the decoders ended: full width
     # A starved prompt (waited 3 agings: 15 s) at the head of the order: no burst overtakes it; it may burst itself.
-    assert policy.burst([first, other], decoding=True, now=16.0) is None
-    assert policy.burst([later, other], decoding=True, now=16.0) is later
+    assert policy.burst([first, other], decoding=True, now=16.0) == []
+    assert policy.burst([later, other], decoding=True, now=16.0) == [later]
     off = PrefillPolicy(dataclasses.replace(config, prefill_burst_ms=0))
     off.warmed_up({("prefill", 256, 1): 0.05, ("prefill", 1024, 1): 0.1})
-    assert off.burst([later], decoding=True, now=1.0) is None
+    assert off.burst([later], decoding=True, now=1.0) == []
     untimed = PrefillPolicy(config)  # no warm-up times (a width never timed): never a burst
-    assert untimed.burst([later], decoding=True, now=1.0) is None
+    assert untimed.burst([later], decoding=True, now=1.0) == []
     with pytest.raises(ValueError, match="prefill_burst_ms"):
         EngineConfig(prefill_burst_ms=-1)

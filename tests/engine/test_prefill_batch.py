@@ -174,3 +174,35 @@ def test_pieces_start_where_the_slot_cache_ends_and_the_call_shape_follows_them(
     policy.warmed_up(H100_SECONDS)
     assert Scheduler._prefill_call(stub, group, 4096) == (group, 1024)
     assert Scheduler._prefill_call(stub, group[:1], 4096) == (group[:1], 1024)  # 745 tokens alone (a burst)
+
+
+def test_prompts_that_fit_a_burst_together_burst_in_shared_calls():
+    """Three agents' rests after the first of four decodes (3 / 197 / 1,694 tokens; on an H100 they ran as three
+    bursts, one prompt per call, 0.9 s): together they fit 400 ms in shared calls by the H100's warm-up times (256 x 2
+    for the two short ones, then two 1,024 x 1), so they burst together; a fourth whose joining would take the burst
+    past the limit waits, as does a long first turn; the burst goes on with the prompts of it still prefilling."""
+    from strata_jax.engine.job import Job
+    from strata_jax.engine.prefill_policy import PrefillPolicy
+    from strata_jax.engine.protocol import GenerationRequest, SamplingParams
+
+    def job(remaining, pos=16000):
+        return Job(GenerationRequest(tuple(range(pos + remaining)), SamplingParams()), stream=None, seed=0,
+                   submitted=0.0, pos=pos)
+
+    config = EngineConfig(slots=8, prefill_chunks=(256, 1024, 4096), prefill_batch=4, decode_share=0.7,
+                          prefill_burst_ms=400)
+    policy = PrefillPolicy(config)
+    rests = [job(3), job(197), job(1694)]
+    longer, first_turn = job(3000), job(20000, pos=0)
+    assert policy.burst(rests + [longer], decoding=True, now=1.0) == []  # before warm-up's timings: no burst
+    policy.warmed_up(H100_SECONDS)
+    assert policy.estimate_together(rests) == pytest.approx(0.069 + 0.083 + 0.083)
+    assert policy.estimate(longer) == pytest.approx(0.258)  # alone it fits (one 4,096 x 1 call) ...
+    # ... with the three: 1,024 x 4, then 1,024 x 2 for 670 + 1,976, then 1,024 x 1 for 952: 0.488 s
+    assert policy.estimate_together(rests + [longer]) == pytest.approx(0.261 + 0.144 + 0.083)
+    assert policy.burst(rests + [longer, first_turn], decoding=True, now=1.0) == rests and policy.bursts == 1
+    rests[0].pos = rests[1].pos = 16200  # the two short ones ended in the burst's first call
+    assert policy.burst(rests[2:] + [longer, first_turn], decoding=True, now=1.0) == rests[2:]
+    assert policy.bursts == 1
+    rests[2].pos = len(rests[2].fill)  # the burst ended; the next one may take the 3,000-token rest
+    assert policy.burst([longer, first_turn], decoding=True, now=1.0) == [longer] and policy.bursts == 2
