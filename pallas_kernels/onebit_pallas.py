@@ -68,11 +68,12 @@ class KernelConfig:
     num_stages: int = 3
     # "mma" | "mma2d" (bf16 jnp.dot) | "mma_tf32" (the unpacked float32 tile straight into a TF32 dot: no
     # float32 -> bf16 conversion per weight) | "mma_i8" (int8 dot of +-1 signs with the activations quantised per
-    # row and scale group; the scales applied per K step: half the bf16 tile's bytes) | "vpu" | "vpu2d" (f32 FMA;
+    # row and scale group; the scales applied per K step: half the bf16 tile's bytes) | "mma_t" (as "mma" with the
+    # unpacked weights as the dot's left operand, [bn, bm] accumulators) | "vpu" | "vpu2d" (f32 FMA;
     # pairs only) | "lut" (no dot: nibble lookup tables of the activations, onebit_lut; either schedule)
     compute: str = "mma"
     # "xor" | "select" | "xor16" (xor, then the bf16 operand taken as the float32's high half by a shift: exact,
-    # since the scales are bf16, and no conversion instruction; 1 plane, compute="mma" only)
+    # since the scales are bf16, and no conversion instruction; 1 plane, compute="mma" or "mma_t" only)
     unpack: str = "xor"
     # pairs: one down program per (pair, column block), partial sums added by XLA, instead of one per (token,
     # column block) walking its k experts in turn (at T = 1: 10x the programs, 1/10 of the serial loads each).
@@ -163,6 +164,24 @@ def _tile_values(bits_ref, sc_ref, e, w0, n0, *, planes, bkw, bn, wpg, unpack):
     return v
 
 
+def _tile_values_t(bits_ref, sc_ref, e, w0, n0, *, planes, bkw, bn, wpg, unpack):
+    """`_tile_values` transposed, unpacked in that layout: [bn, 32*bkw] (the weight tile as a dot's left operand,
+    which Hopper's wgmma may take from registers, where a right operand goes through shared memory)."""
+    gidx = lax.div(w0 + lax.broadcasted_iota(jnp.int32, (bkw,), 0), jnp.int32(wpg))
+    j = lax.broadcasted_iota(jnp.uint32, (1, 1, WORD_BITS), 2)
+    v = None
+    for p in range(planes):
+        words = bits_ref[e, p, pl.ds(w0, bkw), pl.ds(n0, bn)].T
+        sc = sc_ref[e, p, gidx, pl.ds(n0, bn)].astype(jnp.float32).T
+        sgn = ((~words)[:, :, None] << (jnp.uint32(WORD_BITS - 1) - j)) & jnp.uint32(0x80000000)
+        vp = lax.bitcast_convert_type(lax.bitcast_convert_type(sc, jnp.uint32)[:, :, None] ^ sgn, jnp.float32)
+        v = vp if v is None else v + vp
+    if unpack == "xor16" and planes == 1:
+        hi = lax.convert_element_type(lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16), jnp.uint16)
+        v = lax.bitcast_convert_type(hi, jnp.bfloat16)
+    return v.reshape(bn, bkw * WORD_BITS)
+
+
 def _word_values(bits_ref, sc_ref, e, w, n0, *, planes, bn, wpg):
     """One packed word row -> float32 [32, bn]: row j = +-scale by bit j (2-D, no reshape)."""
     sh = jnp.uint32(WORD_BITS - 1) - lax.broadcasted_iota(jnp.uint32, (WORD_BITS, 1), 0)
@@ -194,10 +213,14 @@ def _mma_loop(load_x, bits_ref, sc_ref, e, n0s, *, n_steps, bm, bn, bkw, planes,
 
     compute="mma": a [bkw, 32, bn] unpack reshaped to one [32*bkw, bn] dot operand per step;
     compute="mma2d": one [32, bn] operand per word (2-D throughout, K = 32 per dot);
+    compute="mma_t": the same products as "mma" with the operands swapped (the unpacked weights on the left,
+    `_tile_values_t`): [bn, bm] accumulators, transposed once at the end;
     compute="mma_i8": x is int8 (quantised per row and scale group, `load_sx(g)` -> [bm, 1] its scales), one int8
     dot per plane against the +-1 signs, times both scales (a K step never crosses a scale group).
     """
     tile = functools.partial(_tile_values, bits_ref, sc_ref, planes=planes, bkw=bkw, bn=bn, wpg=wpg, unpack=unpack)
+    tile_t = functools.partial(_tile_values_t, bits_ref, sc_ref, planes=planes, bkw=bkw, bn=bn, wpg=wpg,
+                               unpack=unpack)
     word = functools.partial(_word_values, bits_ref, sc_ref, planes=planes, bn=bn, wpg=wpg)
 
     def body(it, accs):
@@ -213,6 +236,11 @@ def _mma_loop(load_x, bits_ref, sc_ref, e, n0s, *, n_steps, bm, bn, bkw, planes,
                                 preferred_element_type=jnp.int32)
                     sc = sc_ref[e, p, g, pl.ds(n0, bn)].astype(jnp.float32)
                     accs[c] = accs[c] + d.astype(jnp.float32) * sx * sc[None, :]
+        elif compute == "mma_t":
+            xt = load_x(w0 * WORD_BITS, bkw * WORD_BITS).astype(jnp.bfloat16).T
+            for c, n0 in enumerate(n0s):
+                v = tile_t(e, w0, n0).astype(jnp.bfloat16)
+                accs[c] = accs[c] + jnp.dot(v, xt, preferred_element_type=jnp.float32)
         elif compute in ("mma", "mma_tf32"):
             # Pallas' Triton lowering runs a float32 x float32 dot at its default precision as TF32.
             dt = jnp.float32 if compute == "mma_tf32" else jnp.bfloat16
@@ -228,6 +256,9 @@ def _mma_loop(load_x, bits_ref, sc_ref, e, n0s, *, n_steps, bm, bn, bkw, planes,
                     accs[c] = accs[c] + jnp.dot(xt, v, preferred_element_type=jnp.float32)
         return tuple(accs)
 
+    if compute == "mma_t":
+        z = jnp.zeros((bn, bm), jnp.float32)
+        return tuple(a.T for a in lax.fori_loop(0, n_steps, body, tuple(z for _ in n0s)))
     z = jnp.zeros((bm, bn), jnp.float32)
     return lax.fori_loop(0, n_steps, body, tuple(z for _ in n0s))
 
@@ -518,7 +549,7 @@ def moe_experts_1bit_pallas(
         parts = down_pairs(h, expert_ids.reshape(t * k, 1), expert_weights.reshape(t * k, 1), down, jnp.float32,
                            cfg, interpret=interpret, poison=poison)
         return jnp.sum(parts.reshape(t, k, -1), axis=1).astype(x.dtype)
-    if cfg.compute not in ("mma", "mma2d", "mma_tf32", "mma_i8"):  # the vpu forms handle one row per block only
+    if cfg.compute not in ("mma", "mma2d", "mma_tf32", "mma_i8", "mma_t"):  # the vpu forms handle one row per block only
         cfg = dataclasses.replace(cfg, compute="mma2d" if cfg.compute == "vpu2d" else "mma")
     blocks = group_pairs(expert_ids, gate_up.num_experts, cfg.bm)
     h = gate_up_grouped(act_in(x, gate_up), blocks, gate_up, cfg, interpret=interpret, poison=poison)

@@ -98,6 +98,7 @@ PALLAS_CONFIGS = {
     "pairs_xor16": pk.KernelConfig(schedule="pairs", unpack="xor16"),
     "grouped_tf32": pk.KernelConfig(schedule="grouped", compute="mma_tf32"),
     "grouped_xor16": pk.KernelConfig(schedule="grouped", unpack="xor16", bkw1=2),
+    "grouped_t": pk.KernelConfig(schedule="grouped", compute="mma_t", bkw2=2),
     "pairs_i8": pk.KernelConfig(schedule="pairs", compute="mma_i8"),
     "pairs_split_i8": pk.KernelConfig(schedule="pairs", split_pairs=True, compute="mma_i8", bkw1=8),
     "grouped_i8": pk.KernelConfig(schedule="grouped", compute="mma_i8", bkw2=2),
@@ -182,14 +183,16 @@ def test_group_pairs_blocks(t, k, n_exp, bm):
 
 # Prefill-sized blocks (bm = 32-128 rows of one expert) at tiles that go with them; expert 3 is in every token (140
 # rows: several blocks of one expert, the last one partial, even at bm = 128), experts 2 and 4 in none.
-@pytest.mark.parametrize("bm,bn,bkw,unpack", [(32, 32, 4, "xor"), (64, 64, 2, "xor"), (64, 16, 4, "xor16"),
-                                               (128, 32, 4, "xor")])
-def test_grouped_prefill_blocks_match_float64(bm, bn, bkw, unpack):
+@pytest.mark.parametrize("bm,bn,bkw,unpack,compute", [(32, 32, 4, "xor", "mma"), (64, 64, 2, "xor", "mma"),
+                                                       (64, 16, 4, "xor16", "mma"), (128, 32, 4, "xor", "mma"),
+                                                       (64, 32, 4, "xor16", "mma_t"), (128, 16, 2, "xor", "mma_t")])
+def test_grouped_prefill_blocks_match_float64(bm, bn, bkw, unpack, compute):
     x, ids, w, gu, dn = make_case(11, 128, 64, 5, 140, 2, 64, 1)
     ids[:, 0] = 3
     ids[:, 1] = np.where(np.arange(140) % 3 == 0, 0, 1)
     ref = numpy_reference(x, ids, w, gu, dn)
-    cfg = pk.KernelConfig(schedule="grouped", bm=bm, bn1=bn, bn2=bn, bkw1=bkw, bkw2=bkw, unpack=unpack)
+    cfg = pk.KernelConfig(schedule="grouped", bm=bm, bn1=bn, bn2=bn, bkw1=bkw, bkw2=bkw, unpack=unpack,
+                          compute=compute)
     blk_e = np.asarray(op.group_pairs(jnp.asarray(ids), 5, bm)[0])
     want = -(-np.bincount(ids.reshape(-1), minlength=5) // bm)  # ceil(rows / bm) blocks per expert
     np.testing.assert_array_equal(np.bincount(blk_e[blk_e >= 0], minlength=5), want)
