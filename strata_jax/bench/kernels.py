@@ -165,6 +165,12 @@ VARIANTS = {
     "grouped_m128_n32_w4_x16": _grouped(128, 32, 4, unpack="xor16"),
     "grouped_m256_n32_w8_x16": _grouped(256, 32, 8, unpack="xor16", num_stages=2),
     "grouped_m256_n64_w8_x16": _grouped(256, 64, 8, unpack="xor16", num_stages=2),
+    # the prefill kernel's tile with fewer registers per thread (8 warps share the accumulators) or less shared memory
+    # per program (two pipeline stages): ncu found it latency-bound at 12.5% occupancy (168 registers, 94 KB)
+    "grouped_m64_n128_w8_x16": _grouped(64, 128, 8, unpack="xor16"),
+    "grouped_m64_n128_w4_x16_s2": _grouped(64, 128, 4, unpack="xor16", num_stages=2),
+    "grouped_m64_n128_w8_x16_s2": _grouped(64, 128, 8, unpack="xor16", num_stages=2),
+    "grouped_m64_n64_w4_x16_s2": _grouped(64, 64, 4, unpack="xor16", num_stages=2),
     # the unpacked weights as the dot's left operand (compute="mma_t"): Hopper's wgmma may take it from registers
     "grouped_m64_n128_w4_x16_t": _grouped(64, 128, 4, unpack="xor16", compute="mma_t"),
     "grouped_m128_n64_w4_x16_t": _grouped(128, 64, 4, unpack="xor16", compute="mma_t"),
