@@ -68,10 +68,10 @@ class EngineConfig:
     for a token, about), the one carrying the most tokens for the prompts waiting; mixed_prefill: the (chunk width,
     prompts) to take instead.
     decode_share: while slots decode, prefill gets at most 1 - this of the engine's time (0 = no pacing).
-    prefill_burst_ms: a prompt whose whole remaining prefill takes at most this long at full width (by warm-up's
-    timed calls; an agent's later turn: a tool result on a cached prefix) prefills at once, in the widest pieces,
-    beside decoding slots instead of in paced mixed pieces; its time is charged to the share, so decoders get it
-    back from the longer prompts after it (0 = off).
+    prefill_burst_ms: prompts whose whole remaining prefill takes at most this long at full width, together in
+    shared calls (by warm-up's timed calls; agents' later turns: tool results on cached prefixes) prefill at once,
+    beside decoding slots instead of in paced mixed pieces; their time is charged to the share, so decoders get it
+    back from the longer prompts after them (0 = off).
     prefill_aging_s: waiting prompts run shortest remaining prefill first, a prompt's remaining tokens divided by
     1 + its seconds since submission / this; one waiting 3x this or longer runs before all others (nothing
     starves).
