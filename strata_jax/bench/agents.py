@@ -12,7 +12,9 @@ tok/s while other sessions prefill (and while none does), aggregate tok/s, prefi
 cache's snapshot time and memory (engine stats). One engine with max(--sessions) slots serves every count (as one
 server would), under each pacing of prefill beside decoding given (`--decode-share`, `--mixed-step-ms`,
 `--prefill-burst-ms`: changed on the running engine, no compile); each run's conversations start with a different
-token, so no run reuses another's prefixes.
+token, so no run reuses another's prefixes, or with `--same-conversations` every run of a session count has the same
+conversations (the prefix cache is emptied between runs either way): rows that differ only in pacing then differ by
+the pacing, not by their prompts' lengths.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def agents_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--snapshot-every", type=int, default=None,
                    help="EngineConfig.snapshot_every (default the engine's: 1024)")
     g.add_argument("--agents-seed", type=int, default=0, help="seed of the sizes and synthetic tokens")
+    g.add_argument("--same-conversations", action="store_true",
+                   help="every run of a session count on the same conversations (default: each run its own), so "
+                        "that rows of one count under several pacings, or repeated counts (--sessions 4,4), compare "
+                        "like with like; the prefix cache is emptied between runs, so no run reuses another's work")
     g.add_argument("--trace", action="store_true",
                    help="keep the engine's calls (EngineConfig.call_log): each row's JSON gets `calls` (every "
                         "prefill call with its prompts' pieces, decode steps, restores and snapshots, in seconds "
@@ -201,6 +207,20 @@ def _inputs(args, model: LoadedModel, sessions: int, run: int, rng: np.random.Ge
     return firsts, tools, answers
 
 
+def run_inputs(args, model: LoadedModel, counts: list[int], rng: np.random.Generator) -> list[tuple]:
+    """Each run's (first turns, tool results, answer lengths), for runs of `counts` sessions: each run's conversations
+    start with a token of its own (no run reuses another's prefixes), or, with `--same-conversations`, every run of a
+    count takes the first such run's."""
+    inputs, first_of = [], {}
+    for run, n in enumerate(counts):
+        if args.same_conversations and n in first_of:
+            inputs.append(inputs[first_of[n]])
+            continue
+        first_of.setdefault(n, run)
+        inputs.append(_inputs(args, model, n, run, rng))
+    return inputs
+
+
 def agents_context(args, longest_first: int) -> int:
     """The slots' context: `--ctx`, or what the longest conversation can reach."""
     needed = longest_first + args.turns * (args.tool_tokens[1] + args.answer_tokens[1]) + args.answer_tokens[1] + 16
@@ -219,8 +239,7 @@ def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | 
     pacings = list(itertools.product(args.decode_share or (None,), args.mixed_step_ms or (None,),
                                      args.prefill_burst_ms or (None,)))
     runs = [(pacing, n) for i, pacing in enumerate(pacings) for n in args.sessions if n > 1 or i == 0]
-    # Each run's conversations start with a token of its own: no run reuses another's prefixes.
-    inputs = [_inputs(args, model, n, run, rng) for run, (_, n) in enumerate(runs)]
+    inputs = run_inputs(args, model, [n for _, n in runs], rng)
     ctx = agents_context(args, max(len(f) for firsts, _, _ in inputs for f in firsts))
     extra = {k: v for k, v in (("decode_share", pacings[0][0]), ("mixed_step_ms", pacings[0][1]),
                                ("prefill_burst_ms", pacings[0][2]),
@@ -269,6 +288,7 @@ def _row(n: int, args, config: EngineConfig, sessions: list[list[dict]], wall: f
     delta = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731
     return {
         "sessions": n, "turns": args.turns + 1, "together": bool(args.together or args.stagger_s == 0),
+        "same_conversations": args.same_conversations,
         "slots": config.slots, "ctx": config.max_context, "prefill_chunks": list(config.prefill_chunks),
         "prefill_batch": config.prefill_batch, "decode_share": config.decode_share,
         "mixed_step_ms": config.mixed_step_ms, "prefill_burst_ms": config.prefill_burst_ms,

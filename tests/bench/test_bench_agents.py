@@ -98,14 +98,36 @@ def test_tiny_agents_run_on_the_demo_model(tmp_path, monkeypatch):
 
 def test_pacings_run_on_one_engine(tmp_path, capsys):
     """Several --decode-share / --mixed-step-ms values: every session count under each, one engine (one warm-up),
-    each row labelled with the pacing it ran under; a lone session only under the first pacing."""
+    each row labelled with the pacing it ran under; a lone session only under the first pacing. With
+    --same-conversations every 2-session row has the same prompts, and none reuses another's cached work."""
     out = tmp_path / "agents.json"
     argv = ["--mode", "agents", "--sessions", "1,2", "--turns", "0", "--first-turn", "synthetic", "--shared-tokens",
             "16", "--first-tokens", "40,48", "--answer-tokens", "3,4", "--prefill-chunks", "16", "--together",
-            "--decode-share", "0.7,0.2", "--mixed-step-ms", "0,1000", "--prefill-burst-ms", "0", "--json", str(out)]
+            "--decode-share", "0.7,0.2", "--mixed-step-ms", "0,1000", "--prefill-burst-ms", "0",
+            "--same-conversations", "--json", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["decode_share"], r["mixed_step_ms"], r["prefill_burst_ms"], r["sessions"]) for r in rows] == [
         (0.7, 0, 0, 1), (0.7, 0, 0, 2), (0.7, 1000, 0, 2), (0.2, 0, 0, 2), (0.2, 1000, 0, 2)]
     assert capsys.readouterr().err.count("warm-up: compiling") == 1
-    assert all(r["ttft_first_p50_s"] > 0 for r in rows)
+    assert all(r["ttft_first_p50_s"] > 0 and r["same_conversations"] for r in rows)
+    pairs = {(r["prompt_tokens"], r["prefix_cache_hit_tokens"]) for r in rows[1:]}
+    assert len(pairs) == 1, pairs  # the same prompts, and the same cached share: no row resumed another's
+
+
+def test_each_run_has_its_own_conversations_unless_asked_for_the_same():
+    """`run_inputs`: runs of one session count get conversations of their own (no shared first token), or with
+    --same-conversations the first such run's, tool results and answer lengths included."""
+    from types import SimpleNamespace
+
+    from strata_jax.bench.agents import run_inputs
+
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=1000), tokenizer=None)
+    args = SimpleNamespace(first_turn="synthetic", shared_tokens=50, first_tokens=(60, 80), tool_tokens=(5, 9),
+                           answer_tokens=(3, 7), turns=2, same_conversations=False)
+    own = run_inputs(args, model, [1, 4, 4, 2, 4], np.random.default_rng(0))
+    assert own[1][0][0][0] != own[2][0][0][0] != own[4][0][0][0]  # each run's first turns start their own way
+    args.same_conversations = True
+    same = run_inputs(args, model, [1, 4, 4, 2, 4], np.random.default_rng(0))
+    assert same[1] == same[2] == same[4] and same[0] != same[1] and len(same[3][0]) == 2
+    assert len(same[1][0]) == 4 and len(same[1][1]) == 4 and len(same[1][2]) == 4
