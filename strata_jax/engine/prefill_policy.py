@@ -14,8 +14,8 @@ The rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
   shared calls (warm-up's timed calls; typically agents' later turns, tool results on cached prefixes, or the last
   pieces of first turns that arrived together) run at once, call after call, beside decoding slots and whatever the
   share says: decoders pause up to that long once, and the prompts' first tokens come several times sooner than in
-  paced mixed pieces. Its time is charged to the share
-  like any prefill, so the decoders get it back from the longer prompts after it (their mean rate holds); a burst
+  paced mixed pieces. A burst's time is charged to the share like any prefill, so the decoders get it back from
+  the longer prompts after it (their mean rate holds); a burst
   starts only while the debt is under one burst, so bursts cannot queue up behind each other into a long stall.
 - **Order.** Waiting prompts go shortest remaining prefill first (a later turn with a few thousand new tokens on a
   cached prefix overtakes a fresh 27,000-token first turn), aged: a prompt's key is its remaining tokens / (1 +
