@@ -158,10 +158,13 @@ def _tile_values(bits_ref, sc_ref, e, w0, n0, *, planes, bkw, bn, wpg, unpack):
         sc = sc_ref[e, p, gidx, pl.ds(n0, bn)].astype(jnp.float32)
         vp = _signed_scales(words, sc, "xor" if unpack == "xor16" else unpack)
         v = vp if v is None else v + vp
-    if unpack == "xor16" and planes == 1:
-        hi = lax.convert_element_type(lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16), jnp.uint16)
-        return lax.bitcast_convert_type(hi, jnp.bfloat16)
-    return v
+    return _high_bf16(v) if unpack == "xor16" and planes == 1 else v
+
+
+def _high_bf16(v):
+    """float32 values whose low 16 bits are zero (sign-xored bf16 scales) -> the same values as bf16, by a shift."""
+    hi = lax.convert_element_type(lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16), jnp.uint16)
+    return lax.bitcast_convert_type(hi, jnp.bfloat16)
 
 
 def _tile_values_t(bits_ref, sc_ref, e, w0, n0, *, planes, bkw, bn, wpg, unpack):
@@ -177,8 +180,7 @@ def _tile_values_t(bits_ref, sc_ref, e, w0, n0, *, planes, bkw, bn, wpg, unpack)
         vp = lax.bitcast_convert_type(lax.bitcast_convert_type(sc, jnp.uint32)[:, :, None] ^ sgn, jnp.float32)
         v = vp if v is None else v + vp
     if unpack == "xor16" and planes == 1:
-        hi = lax.convert_element_type(lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16), jnp.uint16)
-        v = lax.bitcast_convert_type(hi, jnp.bfloat16)
+        v = _high_bf16(v)
     return v.reshape(bn, bkw * WORD_BITS)
 
 
@@ -549,7 +551,8 @@ def moe_experts_1bit_pallas(
         parts = down_pairs(h, expert_ids.reshape(t * k, 1), expert_weights.reshape(t * k, 1), down, jnp.float32,
                            cfg, interpret=interpret, poison=poison)
         return jnp.sum(parts.reshape(t, k, -1), axis=1).astype(x.dtype)
-    if cfg.compute not in ("mma", "mma2d", "mma_tf32", "mma_i8", "mma_t"):  # the vpu forms handle one row per block only
+    # the vpu forms handle one row per block only
+    if cfg.compute not in ("mma", "mma2d", "mma_tf32", "mma_i8", "mma_t"):
         cfg = dataclasses.replace(cfg, compute="mma2d" if cfg.compute == "vpu2d" else "mma")
     blocks = group_pairs(expert_ids, gate_up.num_experts, cfg.bm)
     h = gate_up_grouped(act_in(x, gate_up), blocks, gate_up, cfg, interpret=interpret, poison=poison)
