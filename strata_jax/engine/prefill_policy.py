@@ -122,11 +122,13 @@ class PrefillPolicy:
         """Seconds `job`'s remaining prefill takes alone at full width, by warm-up's calls (`estimate_together`)."""
         return self.estimate_together([job])
 
-    def estimate_together(self, jobs: Sequence[Job]) -> float:
+    def estimate_together(self, jobs: Sequence[Job], stop_past: float = math.inf) -> float:
         """Seconds the remaining prefill of `jobs` takes at full width, in that order, when their pieces share calls
         as the scheduler shares them: each call takes the first prompts left (a compiled power-of-two count) in the
         shape of the "Call" rule (`fastest`), by warm-up's call times; inf before warm-up has timed the shapes.
-        Pieces are cut where the scheduler cuts them, at the call's width from where each slot's cache ends."""
+        Pieces are cut where the scheduler cuts them, at the call's width from where each slot's cache ends.
+        `stop_past`: return as soon as the total passes it (the burst only asks whether it fits; a 25K-token first
+        turn need not be simulated to its end every engine iteration)."""
         widths, batches = self.config.prefill_chunks, self.config.prefill_batches
         left = [[job.pos, len(job.fill)] for job in jobs if job.pos < len(job.fill)]
         total = 0.0
@@ -137,6 +139,8 @@ class PrefillPolicy:
                 return math.inf
             width, prompts = best
             total += self._warm_up[("prefill", width, prompts)]
+            if total > stop_past:
+                return total
             for piece in group[:prompts]:
                 piece[0] = min(piece[0] + width, piece[1])
             left = [piece for piece in left if piece[0] < piece[1]]
@@ -162,7 +166,7 @@ class PrefillPolicy:
         if jobs and self.starved(jobs[0], now):
             jobs = jobs[:1]
         for job in jobs:
-            if self.estimate_together([*self._bursting, job]) <= limit:
+            if self.estimate_together([*self._bursting, job], stop_past=limit) <= limit:
                 self._bursting.append(job)
         self.bursts += bool(self._bursting)
         return list(self._bursting)
