@@ -112,8 +112,11 @@ LUT_MAX_TOKENS = 128
 # high half of the float32 sign-xored scale. H200 sweep of `bench.kernels` (docs/PERF.md, "1-bit experts at prefill
 # sizes", 2026-12-01): 1268 us per layer at T = 2048 (24% of the compute floor) against 2342 for DEFAULT_GROUPED and
 # 2397 for bf16 experts; 2264 against 4155 at T = 4096; at T = 512 DEFAULT_GROUPED stays ahead (889 against 1162).
+# Two pipeline stages, not three (H100, 2026-12-07 22:07 UTC, docs/perf-log.md "Device session of 2026-12-07, sixth"):
+# 72 instead of 94 KB of shared memory per program lets three programs share an SM (18.75% occupancy against 12.5%);
+# the layer 2,343 against 2,463 us at T = 4,096 and 6,471 against 6,634 at 16,384, all of it in the down kernel.
 DEFAULT_PREFILL = KernelConfig(schedule="grouped", bm=64, bn1=128, bkw1=4, bn2=128, bkw2=4, num_warps=4,
-                               unpack="xor16")
+                               num_stages=2, unpack="xor16")
 PREFILL_MIN_TOKENS = 1024
 
 

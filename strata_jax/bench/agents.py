@@ -65,7 +65,7 @@ def agents_args(p: argparse.ArgumentParser) -> None:
                    help="EngineConfig.mixed_step_ms (default the engine's: 100); several: as --decode-share (every "
                         "pair of the two lists)")
     g.add_argument("--prefill-burst-ms", type=floats, default=None, metavar="MS[,MS...]",
-                   help="EngineConfig.prefill_burst_ms (default the engine's: 400; 0 = off); several: as "
+                   help="EngineConfig.prefill_burst_ms (default the engine's: 500; 0 = off); several: as "
                         "--decode-share (every combination of the three lists)")
     g.add_argument("--prefix-cache-device-mib", type=int, default=0,
                    help="EngineConfig.prefix_cache_device_mib: device memory for recent snapshots (default 0; cut "

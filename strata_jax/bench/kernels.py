@@ -171,6 +171,11 @@ VARIANTS = {
     "grouped_m64_n128_w4_x16_s2": _grouped(64, 128, 4, unpack="xor16", num_stages=2),
     "grouped_m64_n128_w8_x16_s2": _grouped(64, 128, 8, unpack="xor16", num_stages=2),
     "grouped_m64_n64_w4_x16_s2": _grouped(64, 64, 4, unpack="xor16", num_stages=2),
+    # half the K step (2 words, 64 inputs): the two unpacked weight tiles held per step halve ([64, 128] each), the
+    # same tile and rows per program; with room for a fourth pipeline stage
+    "grouped_m64_n128_k2_w4_x16": _grouped(64, 128, 4, bkw=2, unpack="xor16"),
+    "grouped_m64_n128_k2_w4_x16_s4": _grouped(64, 128, 4, bkw=2, unpack="xor16", num_stages=4),
+    "grouped_m64_n128_k2_w8_x16": _grouped(64, 128, 8, bkw=2, unpack="xor16"),
     # the unpacked weights as the dot's left operand (compute="mma_t"): Hopper's wgmma may take it from registers
     "grouped_m64_n128_w4_x16_t": _grouped(64, 128, 4, unpack="xor16", compute="mma_t"),
     "grouped_m128_n64_w4_x16_t": _grouped(128, 64, 4, unpack="xor16", compute="mma_t"),

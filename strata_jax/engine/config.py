@@ -102,7 +102,7 @@ class EngineConfig:
     mixed_step_ms: float = 100.0
     mixed_prefill: tuple[int, int] | None = None
     decode_share: float = 0.7
-    prefill_burst_ms: float = 400.0
+    prefill_burst_ms: float = 500.0
     prefill_aging_s: float = 5.0
     share_min_tokens: int = 1024
     call_log: int = 0
