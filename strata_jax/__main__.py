@@ -11,7 +11,7 @@ from pathlib import Path
 
 from strata_jax.compile_cache import default_cache_dir
 from strata_jax.demo import DEMO_MODEL
-from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT
+from strata_jax.engine.config import AGENT_CONTEXT, CPU_CONTEXT, MAX_DEFAULT_CONTEXT, EngineConfig
 from strata_jax.model.config import HOST_MEMORIES, PREFILL_ATTENTION_IMPLS, STREAM_COPIES
 
 
@@ -131,6 +131,9 @@ def _serve(args: argparse.Namespace) -> int:
         if value is not None and value < bound:
             print(f"error: {flag} must be >= {bound}", file=sys.stderr)
             return 2
+    if not 0 <= args.decode_share < 1 or not args.mixed_step_ms >= 0 or not args.prefill_burst_ms >= 0:
+        print("error: --decode-share must be in [0, 1), --mixed-step-ms and --prefill-burst-ms >= 0", file=sys.stderr)
+        return 2
     draft, draft_dir = args.draft, None
     if draft not in ("none", "ngram", "mtp"):
         draft_dir, draft = Path(draft), "none"
@@ -177,7 +180,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = EngineConfig(slots=args.slots, max_context=ctx, draft=draft, draft_k=args.draft_k,
                               watchdog_s=args.watchdog, prefill_chunks=setup.chunks, prefill_batch=setup.batch,
                               cache_dtype=args.cache_dtype, prefix_cache_mib=_prefix_cache_mib(args),
-                              prefix_cache_device_mib=setup.snapshot_device_mib)
+                              prefix_cache_device_mib=setup.snapshot_device_mib, decode_share=args.decode_share,
+                              mixed_step_ms=args.mixed_step_ms, prefill_burst_ms=args.prefill_burst_ms)
         drafter = None
         if draft_dir is not None:
             from strata_jax.engine.draft_model import DraftModelDrafter
@@ -352,6 +356,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--prefill-batch", type=int, default=None, metavar="N",
                      help="most prompts prefilled together in one call (each compiled count costs start-up time; "
                           "default: 4 on a GPU where the plan allows, else 1; 1 on a CPU)")
+    pacing = EngineConfig()
+    srv.add_argument("--decode-share", type=float, default=pacing.decode_share, metavar="F",
+                     help="while streams decode, other prompts' prefill gets at most 1 - F of the engine's time, so a "
+                          "decoding stream keeps about F of its solo rate (0 = no pacing: prompts prefill at full "
+                          "speed and decoders wait; docs/ARCHITECTURE.md, \"Prefill and decode share the engine\")")
+    srv.add_argument("--mixed-step-ms", type=float, default=pacing.mixed_step_ms, metavar="MS",
+                     help="beside decoding streams, prompts prefill in pieces whose call took at most MS at warm-up: "
+                          "about the longest a decoding stream waits for its next token. Wider pieces prefill "
+                          "faster in the same share of time (on an H100 at 16-26K cached tokens a 4,096 x 4 call "
+                          "moved 1.9x the prompt tokens per second of 1,024 x 1 pieces), so where many agents "
+                          "arrive together a larger MS should bring the last ones' first tokens sooner (8 agents at "
+                          "100 ms: the last after 28 s; docs/BENCHMARKS.md, \"Burst length, and eight sessions\")")
+    srv.add_argument("--prefill-burst-ms", type=float, default=pacing.prefill_burst_ms, metavar="MS",
+                     help="prompts whose whole remaining prefill takes at most MS (agents' later turns: tool results "
+                          "on a cached prefix) prefill at once beside decoding streams instead of in paced pieces "
+                          "(0 = off)")
     srv.add_argument("--prefix-cache-mib", type=int, default=None, metavar="MIB",
                      help="host memory for prefix-cache snapshots (default: a quarter of the host memory available "
                           "at start, 2,048 to 65,536 MiB; 0 = off)")

@@ -159,3 +159,40 @@ def test_users_table_says_where_each_figure_comes_from(capsys):
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[name]
+
+
+def test_serve_pacing_flags_reach_the_engine_and_bad_values_are_refused(monkeypatch, capsys):
+    import server.main
+    import strata_jax
+    import strata_jax.engine
+    from strata_jax.engine.config import EngineConfig
+
+    seen = {}
+
+    class FakeEngine:
+        context_length = 4096
+
+        def __init__(self, model, config, drafter=None):
+            seen["config"] = config
+
+        def start(self):
+            pass
+
+    class FakeModel:
+        tokenizer = object()
+
+    monkeypatch.setattr(strata_jax, "load_model", lambda *a, **k: FakeModel())
+    monkeypatch.setattr(strata_jax.engine, "Engine", FakeEngine)
+    monkeypatch.setattr(server.main, "serve", lambda load_engine, **kw: (load_engine(), 0)[1])
+    assert main(["serve", "--port", "0", "--compile-cache", "off", "--decode-share", "0.5", "--mixed-step-ms",
+                 "1000", "--prefill-burst-ms", "0"]) == 0
+    config = seen["config"]
+    assert (config.decode_share, config.mixed_step_ms, config.prefill_burst_ms) == (0.5, 1000.0, 0.0)
+    assert main(["serve", "--port", "0", "--compile-cache", "off"]) == 0  # the engine's own defaults
+    default = EngineConfig()
+    assert (seen["config"].decode_share, seen["config"].mixed_step_ms, seen["config"].prefill_burst_ms) == (
+        default.decode_share, default.mixed_step_ms, default.prefill_burst_ms)
+    for flag, value in (("--decode-share", "1"), ("--mixed-step-ms", "-1"), ("--prefill-burst-ms", "nan")):
+        seen.clear()
+        assert main(["serve", "--port", "0", flag, value]) == EXIT_USAGE
+        assert "--decode-share must be in [0, 1)" in capsys.readouterr().err and not seen
