@@ -359,8 +359,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     pacing = EngineConfig()
     srv.add_argument("--decode-share", type=float, default=pacing.decode_share, metavar="F",
                      help="while streams decode, other prompts' prefill gets at most 1 - F of the engine's time, so a "
-                          "decoding stream keeps about F of its solo rate (0 = no pacing: prompts prefill at full "
-                          "speed and decoders wait; docs/ARCHITECTURE.md, \"Prefill and decode share the engine\")")
+                          "decoding stream keeps about F of its solo rate (0 = no pacing: a prefill piece beside "
+                          "every decode step; docs/ARCHITECTURE.md, \"Prefill and decode share the engine\")")
     srv.add_argument("--mixed-step-ms", type=float, default=pacing.mixed_step_ms, metavar="MS",
                      help="beside decoding streams, prompts prefill in pieces whose call took at most MS at warm-up: "
                           "about the longest a decoding stream waits for its next token. Wider pieces prefill "
