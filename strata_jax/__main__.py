@@ -131,7 +131,10 @@ def _serve(args: argparse.Namespace) -> int:
         if value is not None and value < bound:
             print(f"error: {flag} must be >= {bound}", file=sys.stderr)
             return 2
-    if not 0 <= args.decode_share < 1 or not args.mixed_step_ms >= 0 or not args.prefill_burst_ms >= 0:
+    try:  # EngineConfig's own checks, before the model loads
+        EngineConfig(decode_share=args.decode_share, mixed_step_ms=args.mixed_step_ms,
+                     prefill_burst_ms=args.prefill_burst_ms)
+    except ValueError:
         print("error: --decode-share must be in [0, 1), --mixed-step-ms and --prefill-burst-ms >= 0", file=sys.stderr)
         return 2
     draft, draft_dir = args.draft, None
