@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import numpy as np
 
 from strata_jax.engine.call_log import CallLog
 from strata_jax.engine.config import EngineConfig
@@ -32,7 +31,7 @@ from strata_jax.engine.job import Job
 from strata_jax.engine.output import OutputProcessor, RequestStream
 from strata_jax.engine.placement import ExpertPlacement
 from strata_jax.engine.prefill_policy import PrefillPolicy
-from strata_jax.engine.prefix_cache import PrefixCache
+from strata_jax.engine.prefix_cache import PrefixCache, shared_length
 from strata_jax.engine.protocol import FinishReason
 from strata_jax.engine.runner import ModelRunner, read_length
 from strata_jax.loaded_model import LoadedModel
@@ -472,6 +471,7 @@ class Scheduler:
         every = self.config.snapshot_every
         started = {job.slot: job.pos for job in jobs}
         tokens = self.executor.prefill(jobs, limit)
+        snapshots = []
         for job in jobs:
             token = tokens[job.slot]
             # The end of a long prompt too: an agent's next turn re-sends it (its answer re-rendered by the chat
@@ -480,7 +480,7 @@ class Scheduler:
             # Pieces need not end on multiples of `every`: a snapshot after each piece that passes one.
             passed = job.pos // every > started[job.slot] // every
             if passed or job.pos in job.snapshot_at or prompt_end:
-                self._snapshot(job, job.fill[: job.pos])
+                snapshots.append((job, job.fill[: job.pos]))
             if token is not None and job.refilling:  # a refill after lost state: its next token is known already
                 job.refilling = False
             elif token is not None:
@@ -489,6 +489,10 @@ class Scheduler:
                 self._accept(job, [token])
             if token is None:
                 self._log_progress(job)
+        # After the first tokens are out: a snapshot costs the engine thread milliseconds that no first token
+        # should wait for. A job its first token finished keeps its state in the slot until the next admission.
+        for job, prefix in snapshots:
+            self._snapshot(job, prefix)
 
     def _long(self, job: Job) -> bool:
         return len(job.fill) >= self.config.progress_min_tokens and log.isEnabledFor(logging.INFO)
@@ -576,8 +580,8 @@ class Scheduler:
 
     def _finish(self, job: Job, reason: FinishReason | None, snapshot: bool, kept: int | None = None,
                 tokens: list[int] | None = None, at: float | None = None) -> None:
-        """Frees the job's slot (after snapshotting it for the prefix cache), then sends its last output (none for
-        `reason` None: its output already ended after `kept` tokens)."""
+        """Frees the job's slot, sends its last output (none for `reason` None: its output already ended after
+        `kept` tokens), then snapshots the slot's state for the prefix cache."""
         # The state holds the first `consumed` tokens of the sequence: every generated token but the last (not fed
         # back yet), or all of them when an overlapped step or an accepted draft run fed the last one too. A stop
         # inside an accepted draft run leaves it past the sequence: then it is not a snapshot of any known prefix.
@@ -586,13 +590,15 @@ class Scheduler:
         fed = len(seq) - 1 <= job.consumed <= len(seq) and not (
             self.executor.in_flight is not None and self.executor.in_flight.kind == "verify"
             and self.executor.carries(job))
-        if snapshot and len(seq) > len(job.prompt) and not job.prefilling and fed:
-            self._snapshot(job, seq[: job.consumed])
+        keep = snapshot and len(seq) > len(job.prompt) and not job.prefilling and fed
         if reason == "cancelled":  # its snapshots still in flight are dropped: their device copies freed now
             self.prefix_cache.drop_pending(job.request.request_id)
         self._free(job)
         if reason is not None:
             self.output.put(job.output(tokens or [], reason, time.monotonic() if at is None else at))
+        if keep:  # after the last output (milliseconds of the engine thread); the slot's state stays until the
+            # next admission, which comes in a later iteration
+            self._snapshot(job, seq[: job.consumed])
 
     def _snapshot(self, job: Job, tokens: Sequence[int]) -> None:
         """Snapshots the job's slot after `tokens` (all of its state) for the prefix cache, without waiting for
@@ -648,8 +654,4 @@ class Scheduler:
 
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    differ = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
-    return int(differ[0]) if differ.size else n
+    return shared_length(tuple(a), tuple(b))

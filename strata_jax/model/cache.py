@@ -64,6 +64,18 @@ class AttentionCache:
                             index_k=None if self.index_k is None else fn(self.index_k, 1), block_keys=bk, **scales)
 
 
+    def position_lengths(self) -> set[int]:
+        """The position-axis lengths `map_positions` would hand fn, read from the shapes alone (no array op)."""
+        out = {self.k.shape[KV_POSITION_AXIS], self.v.shape[KV_POSITION_AXIS]}
+        if self.index_k is not None:
+            out.add(self.index_k.shape[1])
+        if self.block_keys is not None and self.block_keys.shape[2] % self.compress_ratio == 0:
+            out.add(self.block_keys.shape[1] * self.compress_ratio)
+        if self.k_scale is not None:
+            out |= {self.k_scale.shape[KV_POSITION_AXIS], self.v_scale.shape[KV_POSITION_AXIS]}
+        return out
+
+
 KV_POSITION_AXIS = 2
 
 
@@ -112,6 +124,13 @@ def map_kv_positions(cache: ModelCache, fn) -> ModelCache:
     if cache.mtp is not None and isinstance(cache.mtp.mixer, AttentionCache):
         cache = cache.replace(mtp=cache.mtp.replace(mixer=cache.mtp.mixer.map_positions(fn)))
     return cache
+
+
+def kv_position_lengths(cache: ModelCache) -> set[int]:
+    """Every position-axis length `map_kv_positions` would hand its fn, from the shapes alone: mapping device
+    arrays to read them runs eager ops (the block keys' reshapes), each compiled on first use of its shape."""
+    mixers = [layer.mixer for layer in cache.layers] + ([cache.mtp.mixer] if cache.mtp is not None else [])
+    return set().union(*(m.position_lengths() for m in mixers if isinstance(m, AttentionCache)))
 
 
 def take_rows(tree, rows: jax.Array):

@@ -16,9 +16,9 @@ from conftest import FIXTURES
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.job import Job
 from strata_jax.engine.prefill_policy import PrefillPolicy, choose_mixed_shape
-from strata_jax.engine.prefix_cache import PrefixCache
+from strata_jax.engine.prefix_cache import PrefixCache, shared_length
 from strata_jax.engine.protocol import GenerationRequest, SamplingParams
-from strata_jax.model.cache import init_cache, map_kv_positions
+from strata_jax.model.cache import AttentionCache, init_cache, kv_position_lengths, map_kv_positions
 from strata_jax.model.config import load_config
 
 CFG = load_config(FIXTURES / "ckpt" / "qwen4_exp_causal")
@@ -57,6 +57,69 @@ def test_lookup_is_the_longest_cached_prefix_over_random_conversations():
         got = cache.lookup(prompt)
         assert (got.tokens if got is not None else None) == want
     assert len(cache) == len(stored)
+
+
+def test_shared_length_is_a_token_by_token_scan():
+    rng = np.random.default_rng(1)
+
+    def scan(a, b, at):
+        n = 0
+        while at + n < len(a) and n < len(b) and a[at + n] == b[n]:
+            n += 1
+        return n
+
+    for _ in range(3000):
+        a = tuple(int(t) for t in rng.integers(0, 3, int(rng.integers(0, 60))))
+        at = int(rng.integers(0, len(a) + 1))
+        b = a[at : at + int(rng.integers(0, 60))] if rng.random() < 0.7 else ()
+        b += tuple(int(t) for t in rng.integers(0, 3, int(rng.integers(0, 5))))
+        assert shared_length(a, b, at) == scan(a, b, at), (a, b, at)
+
+
+def test_long_conversations_part_deep_inside_edges():
+    """Prompts of thousands of tokens that part from each other and from the cached paths at arbitrary points:
+    the radix tree splits edges where they part (compared by slices, not token by token)."""
+    rng = np.random.default_rng(2)
+    cache = PrefixCache(1 << 40)
+    base = tuple(int(t) for t in rng.integers(0, 1000, 5000))
+    stored = []
+    for i in range(12):
+        cut = int(rng.integers(1, len(base)))
+        tokens = base[:cut] + tuple(int(t) for t in rng.integers(1000, 2000, int(rng.integers(1, 3000))))
+        cache.insert(tokens, _state(i))
+        stored.append(tokens)
+        base = tokens if rng.random() < 0.5 else base
+    for tokens in stored:
+        for cut in rng.integers(1, len(tokens), 5):
+            prompt = tokens[: int(cut)] + (5000,)
+            got = cache.lookup(prompt)
+            assert (got.tokens if got is not None else None) == _brute_force(stored, prompt)
+            held = max(shared_length(prompt, s) for s in stored)
+            assert cache.match(prompt)[1] == held
+
+
+def test_kv_lengths_are_read_from_shapes_and_a_pool_restore_maps_no_device_array(monkeypatch):
+    """`kv_position_lengths` equals what `map_kv_positions` hands its fn (QSA block keys, quantized scales, the MTP
+    layer's cache); restoring a device-pool snapshot reads only shapes: mapping the device arrays ran eager
+    reshapes, each compiled on first use of its length (tens of ms of a later turn's restore on an H100)."""
+    assert CFG.qsa
+    for kv_dtype in (None, jnp.int8):
+        full = init_cache(CFG, 1, CTX, jnp.float32, with_mtp=True, kv_dtype=kv_dtype)
+        for length in (CTX, 48, 40):
+            cut = map_kv_positions(full, lambda x, axis, n=length: x[(slice(None),) * axis + (slice(0, n),)])
+            mapped = []
+            map_kv_positions(cut, lambda x, axis: mapped.append(x.shape[axis]) or x)
+            assert kv_position_lengths(cut) == set(mapped)
+    cache = PrefixCache(1 << 40, device_budget_bytes=1 << 40)
+    cache.insert_async((3, 4), _state(1.0, device=True))
+    snap = cache.lookup((3, 4, 5))
+    assert snap.on_device
+
+    def refuse(self, fn):
+        raise AssertionError("a device-pool restore mapped the snapshot's arrays")
+
+    monkeypatch.setattr(AttentionCache, "map_positions", refuse)
+    assert cache.restore(snap, CTX) is snap.state
 
 
 def test_match_says_where_a_prompt_parts_from_the_cached_paths():
