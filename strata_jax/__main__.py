@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
     try:  # EngineConfig's own checks, before the model loads
         EngineConfig(decode_share=args.decode_share, mixed_step_ms=args.mixed_step_ms,
-                     prefill_burst_ms=args.prefill_burst_ms)
+                     prefill_burst_ms=args.prefill_burst_ms, share_by_requests=args.share_by_requests)
     except ValueError:
         print("error: --decode-share must be in [0, 1), --mixed-step-ms and --prefill-burst-ms >= 0", file=sys.stderr)
         return 2
@@ -184,7 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
                               watchdog_s=args.watchdog, prefill_chunks=setup.chunks, prefill_batch=setup.batch,
                               cache_dtype=args.cache_dtype, prefix_cache_mib=_prefix_cache_mib(args),
                               prefix_cache_device_mib=setup.snapshot_device_mib, decode_share=args.decode_share,
-                              mixed_step_ms=args.mixed_step_ms, prefill_burst_ms=args.prefill_burst_ms)
+                              mixed_step_ms=args.mixed_step_ms, prefill_burst_ms=args.prefill_burst_ms,
+                              share_by_requests=args.share_by_requests)
         drafter = None
         if draft_dir is not None:
             from strata_jax.engine.draft_model import DraftModelDrafter
@@ -371,6 +372,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                           "moved 1.9x the prompt tokens per second of 1,024 x 1 pieces), so where many agents "
                           "arrive together a larger MS should bring the last ones' first tokens sooner (8 agents at "
                           "100 ms: the last after 28 s; docs/BENCHMARKS.md, \"Burst length, and eight sessions\")")
+    srv.add_argument("--share-by-requests", action=argparse.BooleanOptionalAction, default=pacing.share_by_requests,
+                     help="the decoding streams' share (--decode-share) is also at most their part of the requests "
+                          "in slots: four prompts waiting beside four streams get half the time, which should "
+                          "bring the first tokens of many agents arriving together sooner and slow the running "
+                          "streams meanwhile (off by default: not yet measured on a GPU; docs/ARCHITECTURE.md, "
+                          "\"Prefill and decode share the engine\")")
     srv.add_argument("--prefill-burst-ms", type=float, default=pacing.prefill_burst_ms, metavar="MS",
                      help="prompts whose whole remaining prefill takes at most MS (agents' later turns: tool results "
                           "on a cached prefix) prefill at once beside decoding streams instead of in paced pieces "

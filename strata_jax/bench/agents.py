@@ -11,10 +11,10 @@ Reported per session count: time to first token p50 / p95 by turn kind (first / 
 tok/s while other sessions prefill (and while none does), aggregate tok/s, prefix-cache hit tokens, and the prefix
 cache's snapshot time and memory (engine stats). One engine with max(--sessions) slots serves every count (as one
 server would), under each pacing of prefill beside decoding given (`--decode-share`, `--mixed-step-ms`,
-`--prefill-burst-ms`: changed on the running engine, no compile); each run's conversations start with a different
-token, so no run reuses another's prefixes, or with `--same-conversations` every run of a session count has the same
-conversations (the prefix cache is emptied between runs either way): rows that differ only in pacing then differ by
-the pacing, not by their prompts' lengths.
+`--prefill-burst-ms`, `--share-by-requests`: changed on the running engine, no compile); each run's conversations
+start with a different token, so no run reuses another's prefixes, or with `--same-conversations` every run of a
+session count has the same conversations (the prefix cache is emptied between runs either way): rows that differ
+only in pacing then differ by the pacing, not by their prompts' lengths.
 """
 
 from __future__ import annotations
@@ -66,7 +66,11 @@ def agents_args(p: argparse.ArgumentParser) -> None:
                         "pair of the two lists)")
     g.add_argument("--prefill-burst-ms", type=floats, default=None, metavar="MS[,MS...]",
                    help="EngineConfig.prefill_burst_ms (default the engine's: 500; 0 = off); several: as "
-                        "--decode-share (every combination of the three lists)")
+                        "--decode-share (every combination of the lists)")
+    onoff = lambda v: tuple({"on": True, "off": False}[x] for x in v.split(","))  # noqa: E731
+    g.add_argument("--share-by-requests", type=onoff, default=None, metavar="off|on[,...]",
+                   help="EngineConfig.share_by_requests (default the engine's: off): the decoders' share is at most "
+                        "their part of the requests in slots; several (off,on): as --decode-share")
     g.add_argument("--prefix-cache-device-mib", type=int, default=0,
                    help="EngineConfig.prefix_cache_device_mib: device memory for recent snapshots (default 0; cut "
                         "after warm-up to what fits beside the largest step's workspace)")
@@ -231,18 +235,18 @@ def agents_context(args, longest_first: int) -> int:
 
 def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Runs each session count of `args.sessions` on one engine, under each pacing (`--decode-share` x
-    `--mixed-step-ms` x `--prefill-burst-ms`), the prefix cache emptied between runs; returns one row per (pacing,
-    count). A lone session runs once, under the first pacing: pacing splits the engine's time between decoding and
-    other slots' prefill, and alone it has no other slots. `on_row(rows)` after each (the JSON file is rewritten
-    then, so a run cut by a time limit keeps its finished rows)."""
+    `--mixed-step-ms` x `--prefill-burst-ms` x `--share-by-requests`), the prefix cache emptied between runs;
+    returns one row per (pacing, count). A lone session runs once, under the first pacing: pacing splits the
+    engine's time between decoding and other slots' prefill, and alone it has no other slots. `on_row(rows)` after
+    each (the JSON file is rewritten then, so a run cut by a time limit keeps its finished rows)."""
     rng = np.random.default_rng(args.agents_seed)
     pacings = list(itertools.product(args.decode_share or (None,), args.mixed_step_ms or (None,),
-                                     args.prefill_burst_ms or (None,)))
+                                     args.prefill_burst_ms or (None,), args.share_by_requests or (None,)))
     runs = [(pacing, n) for i, pacing in enumerate(pacings) for n in args.sessions if n > 1 or i == 0]
     inputs = run_inputs(args, model, [n for _, n in runs], rng)
     ctx = agents_context(args, max(len(f) for firsts, _, _ in inputs for f in firsts))
     extra = {k: v for k, v in (("decode_share", pacings[0][0]), ("mixed_step_ms", pacings[0][1]),
-                               ("prefill_burst_ms", pacings[0][2]),
+                               ("prefill_burst_ms", pacings[0][2]), ("share_by_requests", pacings[0][3]),
                                ("share_min_tokens", args.share_min_tokens), ("snapshot_every", args.snapshot_every))
              if v is not None}
     config = EngineConfig(slots=max(args.sessions), max_context=ctx, prefill_chunks=args.prefill_chunks,
@@ -253,8 +257,10 @@ def run_agents(args, model: LoadedModel, on_row: Callable[[list[dict]], None] | 
     engine.start()
     rows = []
     try:
-        for run, (((share, step_ms, burst_ms), n), (firsts, tools, answers)) in enumerate(zip(runs, inputs)):
-            engine.set_prefill_pacing(decode_share=share, mixed_step_ms=step_ms, prefill_burst_ms=burst_ms)
+        for run, (((share, step_ms, burst_ms, by_requests), n), (firsts, tools, answers)) in enumerate(
+                zip(runs, inputs)):
+            engine.set_prefill_pacing(decode_share=share, mixed_step_ms=step_ms, prefill_burst_ms=burst_ms,
+                                      share_by_requests=by_requests)
             if run:  # each row starts as a fresh server would: no earlier row's snapshots filling the pools
                 engine.clear_prefix_cache()
             stagger = 0.0 if args.together else args.stagger_s
@@ -291,6 +297,7 @@ def _row(n: int, args, config: EngineConfig, sessions: list[list[dict]], wall: f
         "same_conversations": args.same_conversations,
         "slots": config.slots, "ctx": config.max_context, "prefill_chunks": list(config.prefill_chunks),
         "prefill_batch": config.prefill_batch, "decode_share": config.decode_share,
+        "share_by_requests": config.share_by_requests,
         "mixed_step_ms": config.mixed_step_ms, "prefill_burst_ms": config.prefill_burst_ms,
         "mixed_prefill": [after.get("mixed_prefill_width"), after.get("mixed_prefill_prompts")],
         "first_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in turns if r["kind"] == "first"),
@@ -344,8 +351,13 @@ def _s(v: float | None, fmt: str = ".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _share(r: dict) -> str:
+    """The row's decode share, "0.7 by requests" with `share_by_requests`."""
+    return f"{r['decode_share']:g}" + (" by requests" if r.get("share_by_requests") else "")
+
+
 def _print_row(r: dict) -> None:
-    print(f"agents {r['sessions']} (decode share {r['decode_share']:g}, mixed step {r['mixed_step_ms']:g} ms, "
+    print(f"agents {r['sessions']} (decode share {_share(r)}, mixed step {r['mixed_step_ms']:g} ms, "
           f"burst {r['prefill_burst_ms']:g} ms): "
           f"first-turn TTFT p50/p95 {_s(r['ttft_first_p50_s'])}/{_s(r['ttft_first_p95_s'])} s, "
           f"later {_s(r['ttft_later_p50_s'])}/{_s(r['ttft_later_p95_s'])} s, decode "
@@ -366,7 +378,7 @@ def print_agents_table(rows: list[dict]) -> None:
     for r in rows:
         held = (r["prefix_cache_bytes"] or 0) / 2**20
         width, prompts = r["mixed_prefill"]
-        print(f"| {r['sessions']} | {r['decode_share']:g}, {r['mixed_step_ms']:g} ({width} x {prompts}), "
+        print(f"| {r['sessions']} | {_share(r)}, {r['mixed_step_ms']:g} ({width} x {prompts}), "
               f"{r['prefill_burst_ms']:g} "
               f"| {_s(r['ttft_first_p50_s'])} / {_s(r['ttft_first_p95_s'])} "
               f"| {_s(r['ttft_later_p50_s'])} / {_s(r['ttft_later_p95_s'])} "

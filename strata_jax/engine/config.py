@@ -68,6 +68,9 @@ class EngineConfig:
     for a token, about), the one carrying the most tokens for the prompts waiting; mixed_prefill: the (chunk width,
     prompts) to take instead.
     decode_share: while slots decode, prefill gets at most 1 - this of the engine's time (0 = no pacing).
+    share_by_requests: the decoders' share is also at most their part of the requests in slots, D / (D + W) for D
+    decoding and W prefilling: four prompts waiting beside four decoders get half the time, not 1 - decode_share
+    as one would (eight agents' first turns arriving together wait far less; the decoders slow down meanwhile).
     prefill_burst_ms: prompts whose whole remaining prefill takes at most this long at full width, together in
     shared calls (by warm-up's timed calls; agents' later turns: tool results on cached prefixes) prefill at once,
     beside decoding slots instead of in paced mixed pieces; their time is charged to the share, so decoders get it
@@ -102,6 +105,7 @@ class EngineConfig:
     mixed_step_ms: float = 100.0
     mixed_prefill: tuple[int, int] | None = None
     decode_share: float = 0.7
+    share_by_requests: bool = False
     prefill_burst_ms: float = 500.0
     prefill_aging_s: float = 5.0
     share_min_tokens: int = 1024

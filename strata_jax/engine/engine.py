@@ -92,6 +92,8 @@ class Engine:
         why = ("as configured" if self.config.mixed_prefill is not None
                else f"calls of <= {self.config.mixed_step_ms:g} ms at warm-up")
         share = f"at most {1 - self.config.decode_share:.0%}" if self.config.decode_share > 0 else "all"
+        if self.config.share_by_requests and self.config.decode_share > 0:
+            share += " (more while more prompts wait than slots decode: W / (D + W))"
         pieces = f"{width} tokens x {prompts} prompt{'s' if prompts != 1 else ''}"
         burst = (f"; a prompt whose rest fits {self.config.prefill_burst_ms:g} ms at full width prefills at once"
                  if self.config.prefill_burst_ms > 0 and self.config.decode_share > 0 else "")
@@ -231,13 +233,14 @@ class Engine:
         self._scheduler.cancel(request_id)
 
     def set_prefill_pacing(self, decode_share: float | None = None, mixed_step_ms: float | None = None,
-                           prefill_burst_ms: float | None = None) -> None:
+                           prefill_burst_ms: float | None = None, share_by_requests: bool | None = None) -> None:
         """Changes how prompts prefill beside decoding slots (`EngineConfig.decode_share`, `mixed_step_ms`,
-        `prefill_burst_ms`; None keeps the current value) without compiling anything: the warm-up's shapes stay, the
-        choice among them and the share of time change from the engine's next iteration on. ValueError for values
-        EngineConfig refuses."""
+        `prefill_burst_ms`, `share_by_requests`; None keeps the current value) without compiling anything: the
+        warm-up's shapes stay, the choice among them and the share of time change from the engine's next iteration
+        on. ValueError for values EngineConfig refuses."""
         changes = {k: v for k, v in (("decode_share", decode_share), ("mixed_step_ms", mixed_step_ms),
-                                     ("prefill_burst_ms", prefill_burst_ms)) if v is not None}
+                                     ("prefill_burst_ms", prefill_burst_ms), ("share_by_requests", share_by_requests))
+                   if v is not None}
         self.config = dataclasses.replace(self.config, **changes)
         self._scheduler.set_pacing(self.config)
 

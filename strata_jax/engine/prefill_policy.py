@@ -9,7 +9,9 @@ The rules (docs/ARCHITECTURE.md, "Prefill and decode share the engine"):
   `EngineConfig.mixed_prefill` when given. A decoding stream then waits at most about that long for a token.
 - **Share.** While slots decode, prefill calls get at most 1 - `decode_share` of the engine's time: a call is
   skipped (the decoders step alone) while the prefill time spent since decoding began exceeds that share of the
-  decode time. A decoding stream keeps at least `decode_share` of its solo rate, whatever the widths cost.
+  decode time. A decoding stream keeps at least `decode_share` of its solo rate, whatever the widths cost. With
+  `share_by_requests`, the decoders' share is at most their part of the requests in slots (D decoding, W
+  prefilling: D / (D + W)), so many prompts waiting beside few decoders are not paced as if one waited.
 - **Burst.** Prompts whose whole remaining prefill takes at most `prefill_burst_ms` at full width, together in
   shared calls (warm-up's timed calls; typically agents' later turns, tool results on cached prefixes, or the last
   pieces of first turns that arrived together) run at once, call after call, beside decoding slots and whatever the
@@ -194,9 +196,18 @@ class PrefillPolicy:
         if decoding:
             self._credit -= seconds
 
-    def decoded(self, seconds: float, prefilling: bool) -> None:
-        """A decode or verify step took `seconds`; while prompts wait, it earns them their share of time."""
+    def share(self, decoders: int, waiting: int) -> float:
+        """The decoders' share of the engine's time with `decoders` slots decoding and `waiting` prefilling (see
+        "Share")."""
         share = self.config.decode_share
+        if self.config.share_by_requests and decoders > 0 and waiting > 0:
+            share = min(share, decoders / (decoders + waiting))
+        return share
+
+    def decoded(self, seconds: float, prefilling: int, decoders: int = 1) -> None:
+        """A decode or verify step of `decoders` slots took `seconds`; while `prefilling` prompts wait, it earns
+        them their share of time."""
+        share = self.share(decoders, prefilling)
         if not prefilling or share <= 0:
             self._credit = 0.0
             return

@@ -304,7 +304,9 @@ class Scheduler:
         # Admission, restores, prefill and snapshots: time the decoding slots waited for.
         self.policy.prefilled(time.perf_counter() - started - decode_s, decoders)
         if decode_s:
-            self.policy.decoded(decode_s, any(j is not None and j.prefilling for j in self._slots))
+            running = [j for j in self._slots if j is not None]
+            waiting = sum(j.prefilling for j in running)
+            self.policy.decoded(decode_s, waiting, decoders=len(running) - waiting)
 
     # -- admission -----------------------------------------------------------------------------------------------
     def _admission_pending(self) -> bool:

@@ -97,19 +97,22 @@ def test_tiny_agents_run_on_the_demo_model(tmp_path, monkeypatch):
 
 
 def test_pacings_run_on_one_engine(tmp_path, capsys):
-    """Several --decode-share / --mixed-step-ms values: every session count under each, one engine (one warm-up),
+    """Several --mixed-step-ms / --share-by-requests values: every session count under each, one engine (one warm-up),
     each row labelled with the pacing it ran under; a lone session only under the first pacing. With
     --same-conversations every 2-session row has the same prompts, and none reuses another's cached work."""
     out = tmp_path / "agents.json"
     argv = ["--mode", "agents", "--sessions", "1,2", "--turns", "0", "--first-turn", "synthetic", "--shared-tokens",
             "16", "--first-tokens", "40,48", "--answer-tokens", "3,4", "--prefill-chunks", "16", "--together",
-            "--decode-share", "0.7,0.2", "--mixed-step-ms", "0,1000", "--prefill-burst-ms", "0",
-            "--same-conversations", "--json", str(out)]
+            "--decode-share", "0.2", "--mixed-step-ms", "0,1000", "--prefill-burst-ms", "0",
+            "--share-by-requests", "off,on", "--same-conversations", "--json", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["decode_share"], r["mixed_step_ms"], r["prefill_burst_ms"], r["sessions"]) for r in rows] == [
-        (0.7, 0, 0, 1), (0.7, 0, 0, 2), (0.7, 1000, 0, 2), (0.2, 0, 0, 2), (0.2, 1000, 0, 2)]
-    assert capsys.readouterr().err.count("warm-up: compiling") == 1
+    got = [(r["decode_share"], r["mixed_step_ms"], r["prefill_burst_ms"], r["share_by_requests"], r["sessions"])
+           for r in rows]
+    assert got == [(0.2, 0, 0, False, 1), (0.2, 0, 0, False, 2), (0.2, 0, 0, True, 2), (0.2, 1000, 0, False, 2),
+                   (0.2, 1000, 0, True, 2)]
+    captured = capsys.readouterr()
+    assert "0.2 by requests" in captured.out and captured.err.count("warm-up: compiling") == 1
     assert all(r["ttft_first_p50_s"] > 0 and r["same_conversations"] for r in rows)
     pairs = {(r["prompt_tokens"], r["prefix_cache_hit_tokens"]) for r in rows[1:]}
     assert len(pairs) == 1, pairs  # the same prompts, and the same cached share: no row resumed another's

@@ -185,13 +185,14 @@ def test_serve_pacing_flags_reach_the_engine_and_bad_values_are_refused(monkeypa
     monkeypatch.setattr(strata_jax.engine, "Engine", FakeEngine)
     monkeypatch.setattr(server.main, "serve", lambda load_engine, **kw: (load_engine(), 0)[1])
     assert main(["serve", "--port", "0", "--compile-cache", "off", "--decode-share", "0.5", "--mixed-step-ms",
-                 "1000", "--prefill-burst-ms", "0"]) == 0
+                 "1000", "--prefill-burst-ms", "0", "--share-by-requests"]) == 0
     config = seen["config"]
-    assert (config.decode_share, config.mixed_step_ms, config.prefill_burst_ms) == (0.5, 1000.0, 0.0)
+    assert (config.decode_share, config.mixed_step_ms, config.prefill_burst_ms, config.share_by_requests) == (
+        0.5, 1000.0, 0.0, True)
     assert main(["serve", "--port", "0", "--compile-cache", "off"]) == 0  # the engine's own defaults
-    default = EngineConfig()
-    assert (seen["config"].decode_share, seen["config"].mixed_step_ms, seen["config"].prefill_burst_ms) == (
-        default.decode_share, default.mixed_step_ms, default.prefill_burst_ms)
+    default, got = EngineConfig(), seen["config"]
+    assert (got.decode_share, got.mixed_step_ms, got.prefill_burst_ms, got.share_by_requests) == (
+        default.decode_share, default.mixed_step_ms, default.prefill_burst_ms, default.share_by_requests)
     for flag, value in (("--decode-share", "1"), ("--mixed-step-ms", "-1"), ("--prefill-burst-ms", "nan")):
         seen.clear()
         assert main(["serve", "--port", "0", flag, value]) == EXIT_USAGE

@@ -258,6 +258,25 @@ def test_pacing_keeps_the_decoders_share():
     assert 0.74 <= share <= 0.78 and spent["prefill"] > 0
 
 
+@pytest.mark.parametrize("by_requests", [False, True])
+def test_by_requests_the_decoders_keep_at_most_their_part_of_the_slots(by_requests):
+    """`share_by_requests`: D decoding and W prefilling requests give the decoders min(decode_share, D / (D + W)) of
+    the time (off: decode_share whatever waits); the pacing holds that split over many iterations."""
+    policy = PrefillPolicy(EngineConfig(decode_share=0.7, mixed_step_ms=1000, share_by_requests=by_requests))
+    for (d, w), want in {(4, 4): 0.5, (3, 1): 0.7, (1, 3): 0.25, (6, 2): 0.7, (2, 0): 0.7}.items():
+        assert policy.share(d, w) == pytest.approx(want if by_requests else 0.7)
+    decode_s, prefill_s, spent = 0.01, 0.005, {"decode": 0.0, "prefill": 0.0}
+    for _ in range(3000):
+        while policy.may_prefill(decoding=True):
+            policy.prefilled(prefill_s, decoding=True)
+            spent["prefill"] += prefill_s
+        policy.decoded(decode_s, 4, decoders=2)
+        spent["decode"] += decode_s
+    share = spent["decode"] / (spent["decode"] + spent["prefill"])
+    want = 2 / 6 if by_requests else 0.7
+    assert want - 0.02 <= share <= want + 0.02
+
+
 def test_the_mixed_shape_is_the_most_tokens_under_the_target():
     config = EngineConfig(prefill_chunks=(32, 256, 2048), prefill_batch=4, slots=4, mixed_step_ms=50)
     seconds = {("prefill", 32, 1): 0.005, ("prefill", 256, 1): 0.02, ("prefill", 256, 2): 0.04,
