@@ -70,7 +70,7 @@ class EngineConfig:
     decode_share: while slots decode, prefill gets at most 1 - this of the engine's time (0 = no pacing).
     share_by_requests: the decoders' share is also at most their part of the requests in slots, D / (D + W) for D
     decoding and W prefilling: four prompts waiting beside four decoders get half the time, not 1 - decode_share
-    as one would (eight agents' first turns arriving together wait far less; the decoders slow down meanwhile).
+    as one would (meant for many agents arriving together; off until measured on a GPU).
     prefill_burst_ms: prompts whose whole remaining prefill takes at most this long at full width, together in
     shared calls (by warm-up's timed calls; agents' later turns: tool results on cached prefixes) prefill at once,
     beside decoding slots instead of in paced mixed pieces; their time is charged to the share, so decoders get it

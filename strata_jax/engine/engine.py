@@ -93,7 +93,7 @@ class Engine:
                else f"calls of <= {self.config.mixed_step_ms:g} ms at warm-up")
         share = f"at most {1 - self.config.decode_share:.0%}" if self.config.decode_share > 0 else "all"
         if self.config.share_by_requests and self.config.decode_share > 0:
-            share += " (more while more prompts wait than slots decode: W / (D + W))"
+            share += " (or, if larger, the prompts' part of the requests in slots)"
         pieces = f"{width} tokens x {prompts} prompt{'s' if prompts != 1 else ''}"
         burst = (f"; a prompt whose rest fits {self.config.prefill_burst_ms:g} ms at full width prefills at once"
                  if self.config.prefill_burst_ms > 0 and self.config.decode_share > 0 else "")

@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-
 from strata_jax.engine.call_log import CallLog
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.draft_policy import DraftLengths

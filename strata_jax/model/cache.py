@@ -63,7 +63,6 @@ class AttentionCache:
         return self.replace(k=fn(self.k, KV_POSITION_AXIS), v=fn(self.v, KV_POSITION_AXIS),
                             index_k=None if self.index_k is None else fn(self.index_k, 1), block_keys=bk, **scales)
 
-
     def position_lengths(self) -> set[int]:
         """The position-axis lengths `map_positions` would hand fn, read from the shapes alone (no array op)."""
         out = {self.k.shape[KV_POSITION_AXIS], self.v.shape[KV_POSITION_AXIS]}
