@@ -5,10 +5,12 @@ writes; HLO is the same step's compiled HLO text (`--dump-hlo DIR`).
 
 With HLO, kernel time adds up per model component: every kernel event names the HLO instruction it ran, and the
 instruction's `op_name` carries the named scopes the decoder puts around each part of a layer (`linear_layer` /
-`attention_layer`, then `ple`, `hyper`, `mixer`, `mlp`). On a GPU, kernels inside XLA's command buffers carry the
-buffer (`command_buffer_1`) as their `hlo_op`; their event name is the instruction's name with `_` for `.`
-(`loop_add_fusion_85` runs `loop_add_fusion.85`), which is used instead. Kernels no instruction explains (Pallas
-kernels are named after their Python function, library kernels after themselves) are listed as `other: NAME`.
+`attention_layer`, then `ple`, `hyper`, `mixer` (an attention layer's QSA indexer apart: `mixer/indexer`), `mlp`). A
+prefill trace (`bench --mode prefill --profile DIR --dump-hlo DIR`) reads the same way, with `--steps` the prompt's
+chunks. On a GPU, kernels inside XLA's command buffers carry the buffer (`command_buffer_1`) as their `hlo_op`;
+their event name is the instruction's name with `_` for `.` (`loop_add_fusion_85` runs `loop_add_fusion.85`), which
+is used instead. Kernels no instruction explains (Pallas kernels are named after their Python function, library
+kernels after themselves) are listed as `other: NAME`.
 
 Without HLO (or with `--by-kernel`), kernel time adds up per kernel name, numeric suffix dropped. With `--gemms`
 (HLO needed), the matrix products alone (`gemm`/`dot` instructions: XLA's Triton GEMM fusions, cuBLAS calls) add up
@@ -43,6 +45,8 @@ def component(op_name: str, instruction: str) -> str:
         return "other"
     part = _PART.search(op_name[layer.end():] + "/")
     name = f"{layer.group(1)}/{part.group(1) if part else 'rest'}"
+    if part and part.group(1) == "mixer" and "/indexer/" in op_name[layer.end():] + "/":
+        name += "/indexer"  # QSA's block scoring and selection, apart from the attention it selects for
     if part and part.group(1) == "mlp" and "pallas" in instruction:
         name += " (1-bit expert kernels)"
     return name

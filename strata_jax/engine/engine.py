@@ -250,6 +250,10 @@ class Engine:
         running now keep their slots; later turns of theirs prefill their whole prompt again."""
         self._scheduler.clear_prefix_cache()
 
+    def compiled_hlo(self) -> dict[str, str]:
+        """Each compiled step's HLO text by its warm-up name (`ModelRunner.compiled_hlo`), for profiles."""
+        return self._runner.compiled_hlo()
+
     def calls(self, since: float = float("-inf")) -> list[Call]:
         """The engine thread's calls that started at or after `since` (`time.perf_counter()`), oldest first: kept
         only with `EngineConfig.call_log` > 0 (the last that many), else none."""

@@ -394,6 +394,11 @@ class ModelRunner:
                 key = (name, width, batch)
                 self.step_seconds[key] = min(took, self.step_seconds.get(key, took))
 
+    def compiled_hlo(self) -> dict[str, str]:
+        """Each compiled step's HLO text by its warm-up name (decode, prefill[4096], prefill[4096x4], ...): what
+        `python -m strata_jax.bench.profile` needs to add a profile's kernels up per model part. {} before warm-up."""
+        return {_step_name(name, w, b): compiled.as_text() for (name, w, b), compiled in self._compiled.items()}
+
     def largest_workspace_bytes(self) -> int | None:
         """The largest temporary allocation among the compiled steps (XLA's `memory_analysis()`), None before
         warm-up or where the backend does not report it: the memory a step needs beyond the persistent arrays."""

@@ -243,8 +243,9 @@ class Attention(nnx.Module):
         named_kernel = t > MAX_TOKENS and cfg.prefill_attention_impl not in ("auto", "jnp")
         gathered = not plain and (form == "selected" or (not named_kernel and reads_filled_part()))
         if cfg.qsa:
-            chosen, index_k, block_keys = self.indexer(x, positions, n_valid, index_k, block_keys, cos, sin,
-                                                       as_ids=gathered)
+            with jax.named_scope("indexer"):  # its own line in a profile (`bench.profile`): it scores every block
+                chosen, index_k, block_keys = self.indexer(x, positions, n_valid, index_k, block_keys, cos, sin,
+                                                           as_ids=gathered)
 
         q = q.reshape(bsz, t, kvh, group, d)
         if gathered and form == "selected":
