@@ -5,8 +5,10 @@
 Builds the engine (1 slot, chunks of --chunk tokens, the prefix cache off), prefills one prompt untimed, then traces
 the prefill of another (`jax.profiler`, Perfetto trace under DIR) and sums the device events of the trace by name.
 It also writes the chunk's compiled HLO (DIR/prefill.hlo.txt) and, through `strata_jax.bench.profile`, sums the time
-per model component (the decoder's named scopes) and per matrix product; with --tokens a multiple of --chunk every
-traced kernel belongs to that one executable.
+per model component (the decoder's named scopes; the QSA indexer apart) and per matrix product, and lists the host's
+events (a loop XLA runs on the host, copying its predicate back every iteration, shows there as device-to-host
+copies and waits); with --tokens a multiple of --chunk every traced kernel belongs to that one executable. The traced
+prompt's chunks at later positions cost more than the first: compare --tokens 4096 with a longer prompt.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from strata_jax.loaded_model import LoadedModel
 from strata_jax.model.config import ExpertQuantization
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="flash-next-125b", help="synthetic model (tiny: a CPU check of this tool)")
     ap.add_argument("--ctx", type=int, default=65536)
@@ -39,7 +41,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens); `serve` picks 4,096 on a big GPU")
     ap.add_argument("--top", type=int, default=40, help="kernel names listed")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     cfg = preset_config(args.preset)
     pool = HostPool()
@@ -53,8 +55,7 @@ def main() -> None:
     print(f"untimed: {asyncio.run(_first_token(engine, prompt())):.2f}s", flush=True)
     with jax.profiler.trace(args.out, create_perfetto_trace=True):
         print(f"traced: {asyncio.run(_first_token(engine, prompt())):.2f}s", flush=True)
-    compiled = engine._runner._compiled.get(("prefill", args.chunk, 1))
-    hlo_text = compiled.as_text() if compiled is not None else None
+    hlo_text = engine.compiled_hlo().get(f"prefill[{args.chunk}]")
     engine.shutdown()
     if hlo_text is not None:
         Path(args.out, "prefill.hlo.txt").write_text(hlo_text)
@@ -87,6 +88,9 @@ def _by_component(out: str, hlo_text: str, top: int) -> None:
         print("\n| output shape | op | kernels | ms |\n| --- | --- | --- | --- |")
         for shape, op, n, us in profile.gemm_rows(trace, hlo_text, 1)[:top]:
             print(f"| {shape} | {op[:110]} | {n} | {us / 1e3:.1f} |")
+        print("\n| host event | calls | ms |\n| --- | --- | --- |")
+        for name, calls, us, _ in profile.host_rows(trace, 1)[:top]:
+            print(f"| {name[:110]} | {calls:.0f} | {us / 1e3:.1f} |")
         return
 
 

@@ -485,12 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pass the weights as a flat list of arrays (as the engine does) or as the nnx.State "
                            "pytree (to measure what flattening it on every call costs)")
     step.add_argument("--profile", metavar="DIR",
-                      help="step, tier, users and prefill modes: trace a few steps of each row into DIR (users: a "
-                      "second run of 32 tokens per user, refused with streamed experts on a GPU, where it crashed; "
-                      "prefill: one more prompt of each length; Perfetto, read with python -m "
-                      "strata_jax.bench.profile; default: no trace)")
-    step.add_argument("--dump-hlo", metavar="DIR", help="step, tier and prefill modes: write each compiled step's HLO "
-                      "text into DIR (default: not written)")
+                      help="step, tier and users modes: trace a few steps of each row into DIR (users: a second "
+                      "run of 32 tokens per user, refused with streamed experts on a GPU, where it crashed; Perfetto, "
+                      "read with python -m strata_jax.bench.profile; default: no trace)")
+    step.add_argument("--dump-hlo", metavar="DIR", help="step and tier modes: write each compiled step's HLO text into "
+                      "DIR (default: not written)")
     step.add_argument("--hyper-prefold", action="store_true",
                       help="run every hyper-connection as prefold_mix (strata_jax.model.hyper), an experiment that "
                            "is off by default (no gain in the step: docs/PERF.md)")

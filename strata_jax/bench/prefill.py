@@ -3,10 +3,7 @@ of a context allocated the way a server allocates it, against the compute floor 
 
 One engine (1 slot, `--ctx`, `--prefill-chunks`) serves one greedy request per length of `--prompt-lengths` (each
 length twice; the second is timed, so nothing is compiled or paged in during it; the prefix cache is on, as
-served, but every prompt is new). `--profile DIR` traces one more new prompt of each length into
-DIR/prefill_<length>, and `--dump-hlo DIR` writes the compiled prefill steps' HLO (`prefill_<width>.hlo.txt`):
-`python -m strata_jax.bench.profile TRACE HLO --steps <chunks>` then says per model part where a chunk's time goes,
-and what grows with the position (a long prompt against a one-chunk prompt). The floor
+served, but every prompt is new). The floor
 is the prompt's matmul work (`prefill_flops`: every weight a token passes through, attention over what it sees)
 over the bf16 matmul rate measured on the device (`matmul_rate`).
 
@@ -24,10 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import time
-
-import jax
 
 from pallas_kernels import flash_prefill
 from strata_jax.bench.common import matmul_rate
@@ -162,10 +156,6 @@ def _run_form(args: argparse.Namespace, model, rate: float, form: str) -> list[d
             for _ in range(2):  # a different prompt each time: nothing can be reused
                 prompt = tuple(int(t) for t in rng.integers(0, model.config.vocab_size, n))
                 timings.append(asyncio.run(_first_token(engine, prompt)))
-            if getattr(args, "profile", None):
-                prompt = tuple(int(t) for t in rng.integers(0, model.config.vocab_size, n))
-                with jax.profiler.trace(os.path.join(args.profile, f"prefill_{n}"), create_perfetto_trace=True):
-                    asyncio.run(_first_token(engine, prompt))
             flops = prefill_flops(model.config, n)
             floor_s = sum(flops.values()) / rate
             ttft = timings[-1]
@@ -178,13 +168,6 @@ def _run_form(args: argparse.Namespace, model, rate: float, form: str) -> list[d
                   f"TTFT {ttft:.3f} s ({n / ttft:,.0f} prompt tok/s); floor "
                   f"{floor_s:.3f} s ({row['gflop_per_token']:.1f} GFLOP/token), {row['fraction_of_floor']:.0%} of it",
                   flush=True)
-        if getattr(args, "dump_hlo", None):
-            os.makedirs(args.dump_hlo, exist_ok=True)
-            for name, text in engine.compiled_hlo().items():
-                if name.startswith("prefill"):
-                    file = name.replace("[", "_").replace("]", "") + ".hlo.txt"
-                    with open(os.path.join(args.dump_hlo, file), "w") as f:
-                        f.write(text)
     finally:
         engine.shutdown()
     return rows

@@ -6,11 +6,11 @@ writes; HLO is the same step's compiled HLO text (`--dump-hlo DIR`).
 With HLO, kernel time adds up per model component: every kernel event names the HLO instruction it ran, and the
 instruction's `op_name` carries the named scopes the decoder puts around each part of a layer (`linear_layer` /
 `attention_layer`, then `ple`, `hyper`, `mixer` (an attention layer's QSA indexer apart: `mixer/indexer`), `mlp`). A
-prefill trace (`bench --mode prefill --profile DIR --dump-hlo DIR`) reads the same way, with `--steps` the prompt's
-chunks. On a GPU, kernels inside XLA's command buffers carry the buffer (`command_buffer_1`) as their `hlo_op`;
-their event name is the instruction's name with `_` for `.` (`loop_add_fusion_85` runs `loop_add_fusion.85`), which
-is used instead. Kernels no instruction explains (Pallas kernels are named after their Python function, library
-kernels after themselves) are listed as `other: NAME`.
+prefill trace reads the same way (`python -m tools.profile_prefill` does it). On a GPU, kernels inside XLA's command
+buffers carry the buffer (`command_buffer_1`) as their `hlo_op`; their event name is the instruction's name with `_`
+for `.` (`loop_add_fusion_85` runs `loop_add_fusion.85`), which is used instead. Kernels no instruction explains
+(Pallas kernels are named after their Python function, library kernels after themselves) are listed as `other:
+NAME`.
 
 Without HLO (or with `--by-kernel`), kernel time adds up per kernel name, numeric suffix dropped. With `--gemms`
 (HLO needed), the matrix products alone (`gemm`/`dot` instructions: XLA's Triton GEMM fusions, cuBLAS calls) add up

@@ -379,25 +379,21 @@ def test_prefill_mode_times_each_length_against_the_compute_floor(tmp_path):
     assert all(r["ttft_s"] > 0 and 0 < r["fraction_of_floor"] < 1 and r["gflop_per_token"] > 0 for r in rows)
 
 
-def test_prefill_profile_adds_up_per_model_part_with_the_qsa_indexer_apart(tmp_path):
-    """`--profile` traces one more prompt of each length, `--dump-hlo` writes the prefill steps' HLO: the profile
-    tool then splits an attention layer's time into the QSA indexer (scoring every complete block, selecting the
-    budget's best: what grows with the position) and the rest of its mixer."""
-    import gzip
+def test_prefill_profile_tool_reports_the_qsa_indexer_apart_and_the_hosts_events(tmp_path, capsys):
+    """`tools.profile_prefill` on the tiny preset: the traced prompt's time per model part, an attention layer's QSA
+    indexer (scoring every complete block and keeping the budget's best: what grows with the position) apart from
+    the rest of its mixer, and the host's events."""
+    from tools import profile_prefill
 
-    from strata_jax.bench.profile import summarize
-
-    prof, hlo = tmp_path / "prof", tmp_path / "hlo"
-    # The tiny preset keeps 16 blocks of 4 (budget 64): 200 tokens select from up to 50.
-    assert main(["--mode", "prefill", "--preset", "tiny", "--dtype", "float32", "--prompt-lengths", "200",
-                 "--ctx", "256", "--prefill-chunks", "64", "--profile", str(prof), "--dump-hlo", str(hlo)]) == 0
-    (trace,) = prof.glob("prefill_200/**/perfetto_trace.json.gz")
-    assert (hlo / "prefill_64.hlo.txt").exists()
-    rows = summarize(json.load(gzip.open(trace, "rt")), (hlo / "prefill_64.hlo.txt").read_text(), steps=4)
-    names = {r[0] for r in rows}
-    assert {"attention_layer/mixer/indexer", "attention_layer/mixer", "linear_layer/mixer"} <= names, names
-    indexer = next(r for r in rows if r[0] == "attention_layer/mixer/indexer")
-    assert indexer[1] > 0 and indexer[2] > 0
+    # The tiny preset keeps 16 blocks of 4 (budget 64): 192 tokens select from up to 48.
+    profile_prefill.main(["--preset", "tiny", "--ctx", "256", "--tokens", "192", "--chunk", "64", "--top", "60",
+                          "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert (tmp_path / "prefill.hlo.txt").exists()
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    for part in ("attention_layer/mixer/indexer", "attention_layer/mixer", "linear_layer/mixer", "host event"):
+        assert part in rows, (part, out)
+    assert float(rows["attention_layer/mixer/indexer"].split("|")[3]) > 0
 
 
 def test_prefill_mode_runs_one_engine_per_deltanet_form(tmp_path, monkeypatch):
