@@ -30,6 +30,7 @@ from strata_jax.bench.synthetic import preset_config, synthetic_model
 from strata_jax.engine import Engine, EngineConfig
 from strata_jax.host.pool import HostPool
 from strata_jax.loaded_model import LoadedModel
+from strata_jax.model import attention
 from strata_jax.model.config import ExpertQuantization
 
 
@@ -41,7 +42,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens); `serve` picks 4,096 on a big GPU")
     ap.add_argument("--top", type=int, default=40, help="kernel names listed")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--select-blocks", type=int, default=None, metavar="N",
+                    help="QSA blocks the indexer scores per loop iteration (strata_jax.model.attention."
+                         "SELECT_BLOCKS, default 1,024): fewer, larger iterations are fewer host round trips of the "
+                         "loop, each sorting more")
     args = ap.parse_args(argv)
+    if args.select_blocks is not None:
+        if args.select_blocks < 1:
+            ap.error("--select-blocks must be >= 1")
+        attention.SELECT_BLOCKS = args.select_blocks  # read while the engine's steps are traced, below
 
     cfg = preset_config(args.preset)
     pool = HostPool()

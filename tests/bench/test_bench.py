@@ -396,6 +396,24 @@ def test_prefill_profile_tool_reports_the_qsa_indexer_apart_and_the_hosts_events
     assert float(rows["attention_layer/mixer/indexer"].split("|")[3]) > 0
 
 
+def test_prefill_profile_tool_sets_the_indexers_group_while_tracing(tmp_path, monkeypatch):
+    """`--select-blocks N`: the indexer's loop scores N blocks per iteration in the steps the tool's engine traces
+    (a module constant the tool sets; monkeypatch restores it)."""
+    from strata_jax.model import attention
+    from tools import profile_prefill
+
+    monkeypatch.setattr(attention, "SELECT_BLOCKS", attention.SELECT_BLOCKS)
+    seen = []
+    real = attention.top_block_ids
+    monkeypatch.setattr(attention, "top_block_ids",
+                        lambda *a, **k: seen.append(attention.SELECT_BLOCKS) or real(*a, **k))
+    profile_prefill.main(["--preset", "tiny", "--ctx", "256", "--tokens", "192", "--chunk", "64", "--top", "5",
+                          "--out", str(tmp_path), "--select-blocks", "8"])
+    assert seen and set(seen) == {8}
+    with pytest.raises(SystemExit):
+        profile_prefill.main(["--preset", "tiny", "--out", str(tmp_path), "--select-blocks", "0"])
+
+
 def test_prefill_mode_runs_one_engine_per_deltanet_form(tmp_path, monkeypatch):
     """Each form is what the engine traced (the parallel prefix is counted), and the defaults come back after."""
     from pallas_kernels import delta_chunk
