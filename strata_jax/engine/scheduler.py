@@ -358,7 +358,7 @@ class Scheduler:
         for other in self._slots:
             if other is None or other is job or other.waiting_for is not None or not other.prefilling:
                 continue
-            n = min(_common_length(job.fill, other.fill), len(job.fill) - 1)
+            n = min(shared_length(job.fill, other.fill), len(job.fill) - 1)
             if n > at and n >= least and other.pos < n and n - job.pos >= least:
                 best, at = other, n
         if best is not None:
@@ -652,7 +652,3 @@ class Scheduler:
             self._free(job)
         self.executor.recover()
 
-
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    return shared_length(tuple(a), tuple(b))

@@ -50,26 +50,33 @@ class AttentionCache:
         to S positions restores all S // c: snapshots and prefix reads carry the prefix's blocks only (whole, they
         would add 48 MiB to each at flash-next's 65,536 positions). If indexer_head_dim is not a multiple of c
         there is no such view and they are left whole (correct, only larger)."""
-        bk = self.block_keys
-        if bk is not None:
-            b, n, d = bk.shape
+        bk, view = self.block_keys, self._block_key_view()
+        if view is not None:
             c = self.compress_ratio
-            if d % c == 0:
-                out = fn(bk.reshape(b, n * c, d // c), 1)
-                bk = out[:, : out.shape[1] // c * c].reshape(b, -1, d)
+            out = fn(bk.reshape(view), 1)
+            bk = out[:, : out.shape[1] // c * c].reshape(bk.shape[0], -1, bk.shape[2])
         scales = {}
         if self.k_scale is not None:  # [B, kv_heads, S]: the same position axis as k and v
             scales = dict(k_scale=fn(self.k_scale, KV_POSITION_AXIS), v_scale=fn(self.v_scale, KV_POSITION_AXIS))
         return self.replace(k=fn(self.k, KV_POSITION_AXIS), v=fn(self.v, KV_POSITION_AXIS),
                             index_k=None if self.index_k is None else fn(self.index_k, 1), block_keys=bk, **scales)
 
+    def _block_key_view(self) -> tuple[int, int, int] | None:
+        """The shape of the block keys seen one row per position ([B, NB * c, d // c]), None without such a view."""
+        if self.block_keys is None:
+            return None
+        b, n, d = self.block_keys.shape
+        c = self.compress_ratio
+        return (b, n * c, d // c) if d % c == 0 else None
+
     def position_lengths(self) -> set[int]:
         """The position-axis lengths `map_positions` would hand fn, read from the shapes alone (no array op)."""
         out = {self.k.shape[KV_POSITION_AXIS], self.v.shape[KV_POSITION_AXIS]}
         if self.index_k is not None:
             out.add(self.index_k.shape[1])
-        if self.block_keys is not None and self.block_keys.shape[2] % self.compress_ratio == 0:
-            out.add(self.block_keys.shape[1] * self.compress_ratio)
+        view = self._block_key_view()
+        if view is not None:
+            out.add(view[1])
         if self.k_scale is not None:
             out |= {self.k_scale.shape[KV_POSITION_AXIS], self.v_scale.shape[KV_POSITION_AXIS]}
         return out
